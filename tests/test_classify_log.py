@@ -1,0 +1,96 @@
+"""The log rules of the classifier, on log text from the seeds and real vLLM formats."""
+
+from pathlib import Path
+
+import pytest
+
+from wedgectl.classify import classify
+from wedgectl.sources import bundle_from_log
+from wedgectl.types import VerdictKind
+
+LOGS = Path(__file__).parent / "fixtures" / "logs"
+
+
+def verdict_of(name: str):
+    return classify(bundle_from_log(LOGS / name))
+
+
+def test_seed000_is_starved_with_kv_growth_and_eta():
+    v = verdict_of("seed000_starved.log")
+    assert v.verdict is VerdictKind.STARVED
+    assert v.rule == "log_starved"
+    # 76.5 % at 22:54:32 -> 90.3 % at 23:14:12 (1180 s): ~0.70 %/min by least squares.
+    assert v.facts["kv_growth_pct_per_min"] == pytest.approx(0.70, abs=0.03)
+    assert v.facts["seconds_to_kv_full"] == pytest.approx(9.7 / (0.70 / 60), rel=0.06)
+    assert v.facts["waiting"] == 14 and v.facts["running"] == 1
+    assert v.facts["tokens_per_s"] == pytest.approx(4.7)
+    whats = " ".join(e.what for e in v.evidence)
+    assert "14 waiting" in whats and "%/min" in whats
+
+
+def test_seed002_is_deadlock_with_silence_measured_from_scrapes():
+    v = verdict_of("seed002_deadlock.log")
+    assert v.verdict is VerdictKind.ENGINE_DEADLOCK
+    assert v.rule == "log_engine_deadlock"
+    assert v.facts["scrapes_after_last_stats"] == 660
+    # 2 scrapes per 10 s stats interval before the stop -> 660 scrapes ~ 55 min.
+    assert v.facts["engine_silent_s"] == pytest.approx(3300, rel=0.01)
+    assert any(e.t == "04-17 23:38:41" for e in v.evidence)
+
+
+def test_seed003_shutdown_without_finish_is_shutdown_hang():
+    v = verdict_of("seed003_cpp.log")
+    assert v.verdict is VerdictKind.SHUTDOWN_HANG
+    assert any("signal 15" in e.what for e in v.evidence)
+
+
+def test_wedge_log_is_admission_wedge():
+    v = verdict_of("wedge_hand.log")
+    assert v.verdict is VerdictKind.ADMISSION_WEDGE
+    assert v.rule == "log_admission_wedge"
+
+
+def test_engine_dead_log():
+    v = verdict_of("engine_dead_hand.log")
+    assert v.verdict is VerdictKind.ENGINE_DEAD
+    assert "shared memory broadcast" in v.evidence[0].what
+
+
+def test_draining_queue_is_progressing():
+    v = verdict_of("progressing_hand.log")
+    assert v.verdict is VerdictKind.PROGRESSING
+    assert v.confidence > 0.5
+
+
+def test_seed000_truncated_to_one_line_is_not_starved(tmp_path):
+    # One stats line cannot show a queue that does not drain.
+    one = tmp_path / "one.log"
+    one.write_text((LOGS / "seed000_starved.log").read_text().splitlines()[0] + "\n")
+    v = classify(bundle_from_log(one))
+    assert v.verdict is VerdictKind.PROGRESSING
+
+
+def test_deadlock_needs_the_silence(tmp_path):
+    # The same last stats line with no scrapes after it is not yet a deadlock.
+    lines = (LOGS / "seed002_deadlock.log").read_text().splitlines()[:11]
+    short = tmp_path / "short.log"
+    short.write_text("\n".join(lines) + "\n")
+    v = classify(bundle_from_log(short))
+    assert v.verdict is not VerdictKind.ENGINE_DEADLOCK
+
+
+def test_log_with_only_probe_lines_is_idle(tmp_path):
+    p = tmp_path / "idle.log"
+    p.write_text('(APIServer pid=7) INFO:     127.0.0.1:1 - "GET /health HTTP/1.1" 200 OK\n' * 3)
+    v = classify(bundle_from_log(p))
+    assert v.verdict is VerdictKind.IDLE
+
+
+def test_vllm_lines_with_no_decision_are_inconclusive(tmp_path):
+    p = tmp_path / "odd.log"
+    p.write_text("(APIServer pid=7) INFO 12-01 10:00:01 [loggers.py:257] Engine 000: Avg prompt throughput: 0.0 "
+                 "tokens/s, Avg generation throughput: 0.0 tokens/s, Running: 2 reqs, Waiting: 0 reqs, "
+                 "CPU KV cache usage: 5.0%, Prefix cache hit rate: 0.0%\n")
+    v = classify(bundle_from_log(p))
+    assert v.verdict is VerdictKind.INCONCLUSIVE
+    assert v.advice

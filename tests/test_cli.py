@@ -1,0 +1,76 @@
+"""The CLI end to end in a subprocess: outputs, JSON shape, and an exit code for every bad input."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wedgectl import exitcodes
+
+LOGS = Path(__file__).parent / "fixtures" / "logs"
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "wedgectl", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_log_json_has_the_contract_keys():
+    r = run("diagnose", "--log", str(LOGS / "seed000_starved.log"), "--json")
+    assert r.returncode == exitcodes.VERDICT_CODES[__import__("wedgectl.types").types.VerdictKind.STARVED] == 10
+    out = json.loads(r.stdout)
+    assert out["verdict"] == "starved"
+    assert {"verdict", "confidence", "summary", "evidence", "advice"} <= set(out)
+    assert isinstance(out["evidence"], list) and all("what" in e and "source" in e for e in out["evidence"])
+
+
+def test_text_leads_with_the_verdict_and_fits_80_columns():
+    r = run("diagnose", "--log", str(LOGS / "seed002_deadlock.log"))
+    assert r.returncode == 12
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("VERDICT  engine_deadlock")
+    assert max(len(line) for line in lines) <= 80
+
+
+def test_bundle_round_trip_through_the_cli(tmp_path):
+    # A log diagnosis saved as a bundle re-classifies to the same verdict.
+    r = run("diagnose", "--log", str(LOGS / "seed002_deadlock.log"), "--save-bundle", str(tmp_path / "b.tar.gz"), "--json")
+    assert r.returncode == 12, r.stderr
+    r2 = run("diagnose", "--bundle", str(tmp_path / "b.tar.gz"), "--json")
+    assert r2.returncode == 12
+    assert json.loads(r2.stdout)["verdict"] == "engine_deadlock"
+    assert json.loads(r2.stdout)["recorded_verdict"] == "engine_deadlock"
+
+
+@pytest.mark.parametrize(
+    "args, code, needle",
+    [
+        (["--log", "/nonexistent/vllm.log"], exitcodes.NO_SUCH_FILE, "no such file"),
+        (["--log", str(LOGS / "empty.log")], exitcodes.UNREADABLE_INPUT, "empty"),
+        (["--log", str(LOGS / "binary.bin")], exitcodes.UNREADABLE_INPUT, "binary"),
+        (["--log", str(LOGS)], exitcodes.UNREADABLE_INPUT, "directory"),
+        (["--log", str(LOGS / "garbage.log")], exitcodes.NO_VLLM_LINES, "no vLLM log lines"),
+        (["--bundle", str(LOGS / "seed000_starved.log")], exitcodes.BAD_BUNDLE, "bundle"),
+        (["--bundle", "/nonexistent/b.tar.gz"], exitcodes.NO_SUCH_FILE, "no such file"),
+        (["--pid", "999999999"], exitcodes.NO_SUCH_PROCESS, "no such process"),
+        (["--pid", "1"], exitcodes.NOT_VLLM, "not part of a vLLM deployment"),
+        (["--url", "http://127.0.0.1:9", "--window", "1"], exitcodes.UNREACHABLE, "unreachable"),
+        ([], exitcodes.USAGE, "give one of"),
+        (["--log", "x", "--bundle", "y"], exitcodes.USAGE, "no other source"),
+    ],
+)
+def test_bad_input_is_one_line_and_its_own_code(args, code, needle):
+    r = run("diagnose", *args)
+    assert r.returncode == code, (r.returncode, r.stderr)
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_truncated_bundle_archive(tmp_path):
+    r = run("diagnose", "--log", str(LOGS / "seed000_starved.log"), "--save-bundle", str(tmp_path / "b.tar.gz"))
+    data = (tmp_path / "b.tar.gz").read_bytes()
+    (tmp_path / "cut.tar.gz").write_bytes(data[:40])
+    r = run("diagnose", "--bundle", str(tmp_path / "cut.tar.gz"))
+    assert r.returncode == exitcodes.BAD_BUNDLE
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -1,0 +1,5 @@
+"""`python -m wedgectl` runs the CLI."""
+
+from wedgectl.cli import main
+
+main()

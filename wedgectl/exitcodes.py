@@ -1,0 +1,40 @@
+"""Every exit code wedgectl returns, in one place (documented in the README)."""
+
+from __future__ import annotations
+
+from wedgectl.types import VerdictKind
+
+OK = 0  # idle or progressing
+USAGE = 2  # bad flags (typer/click's own code)
+
+# One code per unhealthy verdict, so a supervisor can branch on it.
+VERDICT_CODES: dict[VerdictKind, int] = {
+    VerdictKind.IDLE: OK,
+    VerdictKind.PROGRESSING: OK,
+    VerdictKind.STARVED: 10,
+    VerdictKind.ADMISSION_WEDGE: 11,
+    VerdictKind.ENGINE_DEADLOCK: 12,
+    VerdictKind.SHUTDOWN_HANG: 13,
+    VerdictKind.ENGINE_DEAD: 14,
+    VerdictKind.INCONCLUSIVE: 15,
+}
+
+# Bad input: the evidence could not be read at all.
+NO_SUCH_FILE = 20
+UNREADABLE_INPUT = 21  # empty, binary, not text, unreadable
+NO_VLLM_LINES = 22
+BAD_BUNDLE = 23  # truncated, foreign or from a newer format
+NO_SUCH_PROCESS = 30
+NOT_VLLM = 31
+UNREACHABLE = 32  # URL refused or never answered
+BAD_METRICS = 33  # the page is not Prometheus text / has no vllm: series
+PERMISSION = 34
+RUNTIME_MISSING = 40  # the managed vLLM runtime is not installed
+REPRO_FAILED = 41  # a repro did not reach the expected verdict
+SERVER_FAILED = 42  # a vLLM server did not start
+SWAP_FAILED = 43
+INTERNAL = 70  # a bug in wedgectl; the message says where to report it
+
+
+def for_verdict(kind: VerdictKind) -> int:
+    return VERDICT_CODES[kind]

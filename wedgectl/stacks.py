@@ -1,0 +1,110 @@
+"""Reading py-spy thread dumps: where a vLLM process's threads are, as named heuristics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from wedgectl.types import StackDump
+
+Thread = dict[str, Any]
+
+IN_MODEL = "in model execution"  # execute_model / collective_rpc / waiting on the workers
+IN_SCHEDULER = "in the scheduler"  # schedule(): admission, block allocation
+WAITING_INPUT = "waiting for requests"  # the busy loop's blocking input_queue.get(): idle
+IN_STEP = "stepping"  # elsewhere in EngineCore.step / the busy loop
+IN_SHUTDOWN = "in shutdown"
+UNKNOWN = "unknown"
+
+# Frame names that mean "the engine handed work to the model and waits for it".
+_MODEL_FRAMES = {
+    "execute_model",
+    "sample_tokens",
+    "collective_rpc",
+    "execute_dummy_batch",
+    "_model_forward",
+    "get_response",
+    "acquire_read",
+    "dequeue",
+    "synchronize",
+}
+_SHUTDOWN_FRAMES = {
+    "shutdown",
+    "_wait_tasks_to_complete",
+    "_shutdown",
+    "_exitfunc",
+    "join",
+    "_wait_for_tstate_lock",
+    "terminate",
+}
+
+
+def frame_names(thread: Thread) -> list[str]:
+    """'function (file:line)' for each frame, innermost first (py-spy's order)."""
+    out = []
+    for f in thread.get("frames") or ():
+        out.append(f"{f.get('name', '?')} ({f.get('short_filename') or f.get('filename', '?')}:{f.get('line', '?')})")
+    return out
+
+
+def _names(thread: Thread) -> list[str]:
+    return [str(f.get("name", "")) for f in thread.get("frames") or ()]
+
+
+def engine_main_thread(dump: StackDump | None) -> Thread | None:
+    """The EngineCore thread that runs the busy loop (run_busy_loop / run_engine_core)."""
+    if dump is None:
+        return None
+    for t in dump.threads:
+        names = _names(t)
+        if "run_busy_loop" in names or "run_engine_core" in names:
+            return t
+    for t in dump.threads:
+        if t.get("thread_name") == "MainThread":
+            return t
+    return dump.threads[0] if dump.threads else None
+
+
+def classify_engine_thread(thread: Thread | None) -> str:
+    """Where an EngineCore main thread is, by the innermost frame that says something."""
+    if thread is None:
+        return UNKNOWN
+    for f in thread.get("frames") or ():
+        name = str(f.get("name", ""))
+        file = str(f.get("filename", ""))
+        if name in _MODEL_FRAMES:
+            return IN_MODEL
+        if name == "schedule" and "sched" in file:
+            return IN_SCHEDULER
+        if name == "_process_input_queue":
+            return WAITING_INPUT
+        if name in ("step", "step_with_batch_queue", "_process_engine_step"):
+            return IN_STEP
+        if name in ("shutdown", "_wait_tasks_to_complete"):
+            return IN_SHUTDOWN
+    return UNKNOWN
+
+
+def shutdown_frames(dump: StackDump | None) -> list[str]:
+    """Frames of any thread that is in a shutdown or exit path (uvicorn shutdown, thread join at exit)."""
+    if dump is None:
+        return []
+    out = []
+    for t in dump.threads:
+        names = _names(t)
+        if any(n in _SHUTDOWN_FRAMES for n in names):
+            out += [n for n in frame_names(t) if n.split(" ")[0] in _SHUTDOWN_FRAMES]
+    return out
+
+
+def innermost_interesting(dump: StackDump) -> str | None:
+    """The innermost frame of the busiest-looking thread that is not interpreter plumbing."""
+    for t in dump.threads:
+        names = frame_names(t)
+        if not names:
+            continue
+        for n in names:
+            fn = n.split(" ")[0]
+            if fn in ("wait", "select", "poll", "_recv", "recv", "get", "run", "_bootstrap", "_bootstrap_inner"):
+                continue
+            return n
+    return None
