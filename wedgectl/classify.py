@@ -217,6 +217,11 @@ class View:
         return next((p for p in self.last_processes if p.role == role), None)
 
     @cached_property
+    def exited(self) -> bool:
+        """The deployment was seen and then was gone by the last sample."""
+        return bool(self.samples) and self.saw_processes and not self.samples[-1].processes
+
+    @cached_property
     def saw_processes(self) -> bool:
         return bool(self.last_processes)
 
@@ -446,11 +451,17 @@ def _shutdown_lines(v: View):
     return v.log.shutdown if v.log else ()
 
 
+def _is_finish(line) -> bool:
+    """uvicorn's last words on a clean exit: vLLM 0.32 ends with 'Application shutdown complete.'
+    (its own serve loop never prints 'Finished server process')."""
+    return line.kind == "finished" or (line.kind == "application_shutdown" and "complete" in line.text)
+
+
 def _shutdown_began(v: View):
     """The first shutdown line that is not followed by 'Finished server process'."""
     lines = _shutdown_lines(v)
-    finished = [s for s in lines if s.kind == "finished"]
-    began = [s for s in lines if s.kind != "finished"]
+    finished = [s for s in lines if _is_finish(s)]
+    began = [s for s in lines if not _is_finish(s)]
     if not began:
         return None
     last_finished = finished[-1].lineno if finished else -1
@@ -490,8 +501,10 @@ def live_shutdown_hang(v: View) -> Verdict | None:
     and Worker at once, then uvicorn waits for open client connections forever ("Waiting for
     connections to close"); a second SIGTERM does nothing."""
     api = v.last_of_role(Role.API_SERVER)
-    if not v.is_live or api is None or api.listening:
-        return None
+    if not v.is_live or api is None or api.listening or v.exited:
+        return None  # an API server that exited during the capture finished its shutdown
+    if api.connections is None:
+        return None  # its sockets were unreadable (no CAP_SYS_PTRACE): "no listener" is unknown
     began = _shutdown_began(v)
     stack = v.stack_of_role(Role.API_SERVER)
     shutdown_frames = stk.shutdown_frames(stack) if stack else []
@@ -959,6 +972,8 @@ def classify(bundle: Bundle) -> Verdict:
 def _with_caveats(v: View, verdict: Verdict) -> Verdict:
     """Say what the evidence lacked, so a reader knows how far to trust it."""
     notes = []
+    if v.exited:
+        notes.append("the deployment exited during the capture; the evidence ends there")
     if v.is_live and not v.saw_processes and verdict.verdict not in (VerdictKind.IDLE, VerdictKind.PROGRESSING):
         notes.append("metrics-only evidence (no process access)")
     if v.is_live and v.saw_processes and not v.stacks:

@@ -35,6 +35,8 @@ def _emit(verdict, as_json: bool, expected: str | None = None, **extra) -> None:
     else:
         for line in render_verdict(verdict, expected=expected):
             typer.echo(line)
+        for f in extra.get("collector_failures") or ():
+            typer.echo(f"could not read: {f['collector']} {f['kind']}: {f['message']}"[:200])
         for key, value in extra.items():
             if value is not None and key in ("bundle", "log", "pid", "url"):
                 typer.echo(f"{key}: {value}")
@@ -103,13 +105,68 @@ def diagnose(
 
     b = replace(b, verdict=verdict)
     saved = str(write_bundle(b, save_bundle)) if save_bundle is not None else None
-    extra = {"source": b.manifest.source, "bundle": saved}
+    extra = {"source": b.manifest.source, "bundle": saved, "collector_failures": _failure_summary(b)}
     if b.manifest.target.pid is not None:
         extra["pid"] = b.manifest.target.pid
     if b.manifest.target.url is not None:
         extra["url"] = b.manifest.target.url
     _emit(verdict, as_json, **extra)
     raise typer.Exit(exitcodes.for_verdict(verdict.verdict))
+
+
+@app.command()
+def repro(
+    name: Annotated[Optional[str], typer.Argument(help="The repro to run (see --list), or a path to a .toml config.")] = None,
+    list_: Annotated[bool, typer.Option("--list", help="List the bundled repros.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the diagnosis object plus expected, pid and url.")] = False,
+    keep: Annotated[bool, typer.Option("--keep", help="Leave the hung server running; print its pid and URL.")] = False,
+    patched: Annotated[bool, typer.Option("--patched", help="Run with the engine plugin's fixes on.")] = False,
+    python: Annotated[Optional[str], typer.Option("--python", help="Use this vLLM environment's python instead of the managed runtime.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Folder for the bundle, server log and client results.")] = None,
+    window: Annotated[float, typer.Option("--window", help="Diagnosis window in seconds.")] = 6.0,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
+) -> None:
+    """Reproduce a hang class on a real vLLM server and diagnose it; exit 0 only when the verdict matches."""
+    from wedgectl.repro import find_config, list_configs, repro_main_text, run_repro
+    from wedgectl.runtime.install import is_installed, install_runtime
+
+    if list_ or name is None:
+        for cfg in list_configs():
+            typer.echo(f"{cfg.name:<16} expect {cfg.expected:<16} {cfg.description}")
+        raise typer.Exit(0 if list_ else exitcodes.USAGE)
+    cfg = find_config(name)
+    say = (lambda _m: None) if quiet else _progress
+    if python is None and not is_installed():
+        say("the managed vLLM runtime is not installed; installing it (once, ~2 min)")
+        install_runtime(progress=say)
+    result = run_repro(cfg, python=python, out_dir=out, keep=keep, patched=patched, window_s=window, progress=say)
+    if result.verdict is None:
+        raise typer.Exit(exitcodes.REPRO_FAILED)
+    if as_json:
+        from wedgectl.render import dumps, verdict_to_json
+
+        payload = verdict_to_json(result.verdict, expected=cfg.expected, pid=result.pid, url=result.url,
+                                  bundle=str(result.bundle_path), log=str(result.log_path),
+                                  symptom_s=result.symptom_s, client=result.client_results, notes=result.notes)
+        typer.echo(dumps(payload))
+    else:
+        for line in repro_main_text(result):
+            typer.echo(line)
+        if keep:
+            typer.echo(f"pid: {result.pid}")
+            typer.echo(f"url: {result.url}")
+    raise typer.Exit(0 if result.matched else exitcodes.REPRO_FAILED)
+
+
+def _failure_summary(bundle, most: int = 6) -> list[dict]:
+    """What collectors could not read, each distinct failure once."""
+    seen: dict[tuple[str, str, str], dict] = {}
+    for sample in bundle.samples:
+        for f in sample.failures:
+            key = (f.collector, f.kind.value, f.message.split(":")[0])
+            if key not in seen:
+                seen[key] = {"collector": f.collector, "kind": f.kind.value, "message": f.message, "target": f.target}
+    return list(seen.values())[:most]
 
 
 def _progress(msg: str) -> None:

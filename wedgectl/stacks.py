@@ -46,8 +46,13 @@ def frame_names(thread: Thread) -> list[str]:
     return out
 
 
+def base_name(name: object) -> str:
+    """py-spy 0.4 names methods 'Class.method'; rules match on the method."""
+    return str(name or "").rsplit(".", 1)[-1]
+
+
 def _names(thread: Thread) -> list[str]:
-    return [str(f.get("name", "")) for f in thread.get("frames") or ()]
+    return [base_name(f.get("name")) for f in thread.get("frames") or ()]
 
 
 def engine_main_thread(dump: StackDump | None) -> Thread | None:
@@ -69,7 +74,7 @@ def classify_engine_thread(thread: Thread | None) -> str:
     if thread is None:
         return UNKNOWN
     for f in thread.get("frames") or ():
-        name = str(f.get("name", ""))
+        name = base_name(f.get("name"))
         file = str(f.get("filename", ""))
         if name in _MODEL_FRAMES:
             return IN_MODEL
@@ -92,7 +97,7 @@ def shutdown_frames(dump: StackDump | None) -> list[str]:
     for t in dump.threads:
         names = _names(t)
         if any(n in _SHUTDOWN_FRAMES for n in names):
-            out += [n for n in frame_names(t) if n.split(" ")[0] in _SHUTDOWN_FRAMES]
+            out += [n for n in frame_names(t) if base_name(n.split(" ")[0]) in _SHUTDOWN_FRAMES]
     return out
 
 
@@ -103,7 +108,7 @@ def innermost_interesting(dump: StackDump) -> str | None:
         if not names:
             continue
         for n in names:
-            fn = n.split(" ")[0]
+            fn = base_name(n.split(" ")[0])
             if fn in ("wait", "select", "poll", "_recv", "recv", "get", "run", "_bootstrap", "_bootstrap_inner"):
                 continue
             return n

@@ -1,0 +1,77 @@
+"""The managed runtime serves the tiny model for real and stops without leftovers."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from wedgectl.runtime import (
+    Server,
+    ServerSpec,
+    ServerStartError,
+    free_port,
+    running_server,
+    start_server,
+    stop_server,
+)
+
+pytestmark = pytest.mark.integration
+
+COMPLETION = {
+    "model": "tiny",
+    "prompt": "The capital of France is",
+    "max_tokens": 16,
+    "temperature": 0,
+    "ignore_eos": True,
+}
+
+
+def test_completion_generates_the_requested_tokens(vllm_server: Server) -> None:
+    reply = httpx.post(f"{vllm_server.url}/v1/completions", json=COMPLETION, timeout=60)
+    reply.raise_for_status()
+    usage = reply.json()["usage"]
+    assert usage["completion_tokens"] == 16
+    assert usage["prompt_tokens"] == 6  # BOS + 5 words, as the tokenizer is built
+
+
+def test_metrics_expose_the_generation_counter(vllm_server: Server) -> None:
+    httpx.post(f"{vllm_server.url}/v1/completions", json=COMPLETION, timeout=60)
+    text = httpx.get(f"{vllm_server.url}/metrics", timeout=10).text
+    assert "vllm:generation_tokens_total" in text
+    assert "vllm:num_requests_running" in text
+
+
+def test_stop_server_tears_the_whole_tree_down(
+    vllm_python: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    spec = ServerSpec(model=tiny_model, port=free_port())
+    server = start_server(spec, vllm_python, tmp_path / "server.log")
+    try:
+        pids = server.tree_pids()
+        # API server, EngineCore, Worker and multiprocessing's resource tracker.
+        assert len(pids) >= 3
+        reply = httpx.post(f"{server.url}/v1/completions", json=COMPLETION, timeout=60)
+        assert reply.json()["usage"]["completion_tokens"] == 16
+    finally:
+        seconds = stop_server(server)
+    assert seconds < 30
+    assert [pid for pid in pids if psutil.pid_exists(pid)] == []
+    assert server.popen.returncode is not None
+    assert not server.tmp_dir.exists()
+
+
+def test_start_fails_fast_with_the_log_tail(vllm_python: Path, tmp_path: Path) -> None:
+    spec = ServerSpec(model=tmp_path / "no-such-model", port=free_port())
+    started = time.monotonic()
+    with pytest.raises(ServerStartError) as failure:
+        with running_server(spec, vllm_python, tmp_path / "server.log", health_timeout=120):
+            pass
+    # It exits after its imports; waiting out health_timeout would be a bug.
+    assert time.monotonic() - started < 90
+    message = str(failure.value)
+    assert "exited with code" in message
+    assert "no-such-model" in message

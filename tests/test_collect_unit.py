@@ -1,0 +1,440 @@
+"""Unit tests for the collectors on recorded /proc text, fake runners and httpx.MockTransport."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from wedgectl.collect import procfs, pyspy, scrape
+from wedgectl.collect.processes import classify_role, format_address, parse_proc_net_tcp
+from wedgectl.types import FailureKind, Role, StackDump, ThreadSample
+
+# --- recorded /proc text (x86_64, kernel 6.18) --------------------------------
+
+SYSCALL_LOCK = "202 0x5652e4bab440 0x189 0x0 0x0 0x0 0xffffffff 0x7f6ad0ff8d60 0x7f6ad1a6b117\n"
+SYSCALL_TIMED = "202 0x7f3c8c000b60 0x89 0x0 0x7f3c97ffe9f0 0x0 0xffffffff 0x7f3c97ffe980 0x7f3c9a4c1117\n"
+SYSCALL_RESTART = "219 0x7f3c8c000b60 0x89 0x0 0x7f3c97ffe9f0 0x0 0xffffffff 0x7f3c97ffe980 0x7f3c9a4c1117\n"
+SYSCALL_WAIT4 = "61 0xffffffff 0x7ffd5f1c3a6c 0x0 0x0 0x0 0x0 0x7ffd5f1c3a48 0x7f0e1c2ea5ba\n"
+SYSCALL_RUNNING = "running\n"
+SYSCALL_OUTSIDE = "-1 0x7ffd5f1c3a48 0x55d0c8e0d3a1\n"
+
+STAT_PLAIN = (
+    "4138 (python) S 4100 4138 4100 34816 4138 4194560 1893 0 0 0 250 37 0 0 20 0 3 0 "
+    "123456 30601216 3471 18446744073709551615 1 1 0 0 0 0 0 16781312 2 0 0 0 17 1 0 0 0 0 0\n"
+)
+# comm with spaces and parentheses (a setproctitle'd title is cut at 15 chars)
+STAT_WEIRD = (
+    "4142 (a) b (c) d) R 4100 4138 4100 34816 4138 4194368 10 0 0 0 1234 5 0 0 20 0 60 0 "
+    "123460 30601216 3471 18446744073709551615 1 1 0 0 0 0 0 16781312 2 0 0 0 17 0 0 0 0 0 0\n"
+)
+STATUS = (
+    "Name:\tpython\nUmask:\t0022\nState:\tS (sleeping)\nTgid:\t4138\nPid:\t4142\n"
+    "voluntary_ctxt_switches:\t12\nnonvoluntary_ctxt_switches:\t3456\n"
+)
+
+
+def test_parse_syscall_futex_lock_wait() -> None:
+    nr, args = procfs.parse_syscall(SYSCALL_LOCK)
+    assert nr == 202
+    assert args == (0x5652E4BAB440, 0x189, 0, 0, 0, 0xFFFFFFFF)
+    assert procfs.futex_from_syscall(nr, args, "futex_do_wait", "x86_64") == (0x5652E4BAB440, 0x189, False)
+
+
+def test_parse_syscall_timed_futex() -> None:
+    nr, args = procfs.parse_syscall(SYSCALL_TIMED)
+    assert procfs.futex_from_syscall(nr, args, "", "x86_64") == (0x7F3C8C000B60, 0x89, True)
+
+
+def test_restart_syscall_counts_as_futex_with_previous_args() -> None:
+    nr, args = procfs.parse_syscall(SYSCALL_RESTART)
+    assert nr == 219
+    assert procfs.futex_from_syscall(nr, args, "futex_do_wait", "x86_64") == (0x7F3C8C000B60, 0x89, True)
+    assert procfs.futex_from_syscall(nr, args, "", "x86_64")[0] == 0x7F3C8C000B60
+    # restart_syscall resuming a sleep is not a futex wait
+    assert procfs.futex_from_syscall(nr, args, "hrtimer_nanosleep", "x86_64") == (None, None, None)
+
+
+def test_parse_syscall_running_and_outside() -> None:
+    assert procfs.parse_syscall(SYSCALL_RUNNING) == (None, ())
+    assert procfs.parse_syscall("") == (None, ())
+    assert procfs.parse_syscall(SYSCALL_OUTSIDE) == (-1, ())
+    assert procfs.futex_from_syscall(-1, (), "", "x86_64") == (None, None, None)
+    assert procfs.futex_from_syscall(None, (), "", "x86_64") == (None, None, None)
+
+
+def test_futex_numbers_follow_architecture() -> None:
+    nr, args = procfs.parse_syscall("98 0xffff8000a000 0x80 0x2 0x0 0x0 0x0 0xffffc0de 0xffff0000")
+    assert procfs.futex_from_syscall(nr, args, "", "aarch64") == (0xFFFF8000A000, 0x80, False)
+    assert procfs.futex_from_syscall(nr, args, "", "x86_64") == (None, None, None)  # 98 is getrusage there
+    assert procfs.futex_from_syscall(*procfs.parse_syscall(SYSCALL_WAIT4), "do_wait", "x86_64") == (None, None, None)
+    assert procfs.futex_syscall_numbers("riscv64") is None
+
+
+def test_parse_stat_plain() -> None:
+    st = procfs.parse_stat(STAT_PLAIN)
+    assert (st.pid, st.comm, st.state, st.ppid) == (4138, "python", "S", 4100)
+    assert (st.utime_ticks, st.stime_ticks, st.num_threads, st.starttime_ticks) == (250, 37, 3, 123456)
+
+
+def test_parse_stat_comm_with_spaces_and_parentheses() -> None:
+    st = procfs.parse_stat(STAT_WEIRD)
+    assert st.comm == "a) b (c) d"
+    assert (st.pid, st.state, st.ppid, st.utime_ticks, st.stime_ticks, st.num_threads) == (4142, "R", 4100, 1234, 5, 60)
+
+
+def test_parse_wchan_and_status() -> None:
+    assert procfs.parse_wchan("0") == ""
+    assert procfs.parse_wchan("futex_do_wait") == "futex_do_wait"
+    assert procfs.parse_ctxt_switches(STATUS) == (12, 3456)
+    assert procfs.parse_ctxt_switches("Name:\tx\n") == (None, None)
+
+
+def test_thread_from_texts_converts_ticks() -> None:
+    t = procfs.thread_from_texts(4142, STAT_WEIRD, "0", SYSCALL_RUNNING, STATUS, "x86_64", clk_tck=100)
+    assert t == ThreadSample(
+        tid=4142,
+        comm="a) b (c) d",
+        state="R",
+        wchan="",
+        utime_s=12.34,
+        stime_s=0.05,
+        voluntary_switches=12,
+        nonvoluntary_switches=3456,
+    )
+    assert not t.in_futex_wait
+    unreadable = procfs.thread_from_texts(4142, STAT_PLAIN, None, None, None, "x86_64")
+    assert unreadable.syscall_nr is None and unreadable.voluntary_switches is None
+
+
+@pytest.mark.parametrize(
+    ("op", "name"),
+    [
+        (0x189, "FUTEX_WAIT_BITSET_PRIVATE|FUTEX_CLOCK_REALTIME"),
+        (0x80, "FUTEX_WAIT_PRIVATE"),
+        (0x89, "FUTEX_WAIT_BITSET_PRIVATE"),
+        (0x81, "FUTEX_WAKE_PRIVATE"),
+        (0x0, "FUTEX_WAIT"),
+        (0x86, "FUTEX_LOCK_PI_PRIVATE"),
+        (0x1F, "FUTEX_OP_0x1f"),
+    ],
+)
+def test_decode_futex_op(op: int, name: str) -> None:
+    assert procfs.decode_futex_op(op) == name
+
+
+def test_group_futex_waiters() -> None:
+    def t(tid: int, addr: int | None, op: int | None = 0x189) -> ThreadSample:
+        return ThreadSample(tid=tid, comm="x", state="S", futex_addr=addr, futex_op=op)
+
+    threads = [t(3, 0xA0), t(1, 0xA0), t(2, 0xB0), t(4, None), t(5, 0xC0, op=0x81)]
+    assert procfs.group_futex_waiters(threads) == {0xA0: (1, 3), 0xB0: (2,)}
+    assert procfs.group_futex_waiters([]) == {}
+
+
+# --- read_threads on a recorded tree -----------------------------------------
+
+
+def _fake_proc(root: Path, pid: int, threads: dict[int, dict[str, str]]) -> None:
+    (root / str(pid)).mkdir(parents=True)
+    (root / str(pid) / "stat").write_text(next(iter(threads.values()))["stat"])
+    for tid, files in threads.items():
+        d = root / str(pid) / "task" / str(tid)
+        d.mkdir(parents=True)
+        for name, text in files.items():
+            (d / name).write_text(text)
+
+
+def test_read_threads_from_recorded_tree(tmp_path: Path) -> None:
+    lock = {"stat": STAT_PLAIN, "wchan": "futex_do_wait", "syscall": SYSCALL_LOCK, "status": STATUS}
+    spin = {"stat": STAT_WEIRD, "wchan": "0", "syscall": SYSCALL_RUNNING, "status": STATUS}
+    _fake_proc(tmp_path, 4138, {4138: lock, 4142: spin})
+    threads, failures = procfs.read_threads(4138, tmp_path, machine="x86_64")
+    assert failures == ()
+    assert [x.tid for x in threads] == [4138, 4142]
+    assert threads[0].futex_addr == 0x5652E4BAB440 and threads[0].wchan == "futex_do_wait"
+    assert threads[1].state == "R" and threads[1].syscall_nr is None
+    stat, failures = procfs.read_process_stat(4138, tmp_path)
+    assert failures == () and stat is not None and stat.num_threads == 3 and stat.ppid == 4100
+
+
+def test_read_threads_thread_vanishes_mid_read(tmp_path: Path) -> None:
+    full = {"stat": STAT_PLAIN, "wchan": "0", "syscall": SYSCALL_RUNNING, "status": STATUS}
+    _fake_proc(tmp_path, 4138, {4138: full, 4142: {"stat": STAT_WEIRD}})  # 4142 lost its other files
+    threads, failures = procfs.read_threads(4138, tmp_path)
+    assert [x.tid for x in threads] == [4138]
+    assert [f.kind for f in failures] == [FailureKind.GONE]
+    assert "4142" in failures[0].message
+
+
+def test_read_threads_missing_process_is_gone(tmp_path: Path) -> None:
+    threads, failures = procfs.read_threads(99999, tmp_path)
+    assert threads == () and [f.kind for f in failures] == [FailureKind.GONE]
+    stat, failures = procfs.read_process_stat(99999, tmp_path)
+    assert stat is None and failures[0].kind is FailureKind.GONE
+
+
+def test_read_threads_permission_on_syscall(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    full = {"stat": STAT_PLAIN, "wchan": "0", "syscall": SYSCALL_LOCK, "status": STATUS}
+    _fake_proc(tmp_path, 4138, {4138: full, 4139: full})
+    real = procfs._read_text
+
+    def deny_syscall(path: Path) -> str:
+        if path.name == "syscall":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(procfs, "_read_text", deny_syscall)
+    threads, failures = procfs.read_threads(4138, tmp_path)
+    assert len(threads) == 2 and all(t.syscall_nr is None for t in threads)
+    assert [f.kind for f in failures] == [FailureKind.PERMISSION]  # one per process, not per thread
+    assert "CAP_SYS_PTRACE" in failures[0].message or "ptrace" in failures[0].message
+
+
+def test_read_threads_bad_data(tmp_path: Path) -> None:
+    _fake_proc(tmp_path, 7, {7: {"stat": "garbage", "wchan": "0", "syscall": "running", "status": ""}})
+    threads, failures = procfs.read_threads(7, tmp_path)
+    assert threads == () and failures[0].kind is FailureKind.BAD_DATA
+
+
+# --- roles ------------------------------------------------------------------
+
+PY = "/opt/venv/bin/python3.12"
+
+
+@pytest.mark.parametrize(
+    ("name", "cmdline", "role"),
+    [
+        ("VLLM::EngineCor", ["VLLM::EngineCore"], Role.ENGINE_CORE),
+        ("VLLM::EngineCor", ["VLLM::EngineCore_DP0"], Role.ENGINE_CORE),
+        ("VLLM::EngineCor", [], Role.ENGINE_CORE),  # cmdline unreadable: the cut comm still tells
+        ("VLLM::Worker_TP", ["VLLM::Worker_TP0"], Role.WORKER),
+        ("VLLM::Worker", ["VLLM::Worker"], Role.WORKER),
+        ("VLLM::Worker_PP", ["VLLM::Worker_PP0_TP1"], Role.WORKER),
+        ("VLLM::APIServer", ["VLLM::APIServer_0"], Role.API_SERVER),
+        ("VLLM::APIServer", ["VLLM::APIServer      "], Role.API_SERVER),
+        ("PD-L1_binder::E", ["PD-L1_binder::EngineCore_DP0"], Role.ENGINE_CORE),
+        ("VLLM::DPCoordin", ["VLLM::DPCoordinator"], Role.OTHER),
+        ("vllm", [PY, "/opt/venv/bin/vllm", "serve", "Qwen/Qwen3-0.6B", "--port", "8000"], Role.API_SERVER),
+        ("vllm", ["/opt/venv/bin/vllm", "serve", "facebook/opt-125m"], Role.API_SERVER),
+        ("python3.12", [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", "m"], Role.API_SERVER),
+        ("python3", [PY, "-u", "/opt/venv/lib/python3.12/site-packages/vllm/entrypoints/openai/api_server.py"], Role.API_SERVER),
+        ("python3", [PY, "/opt/venv/lib/python3.12/site-packages/vllm/entrypoints/cli/main.py", "serve", "m"], Role.API_SERVER),
+        ("python3", [PY, "-m", "vllm.entrypoints.cli.main", "serve", "m"], Role.API_SERVER),
+        ("python3", [PY, "/srv/wedge_serve.py", "serve", "/models/tiny", "--port", "8123"], Role.API_SERVER),
+        ("python3", [PY, "/srv/wedge_serve.py", "--help"], Role.OTHER),
+        ("vllm", ["vllm serve Qwen/Qwen3-0.6B --port 8000"], Role.API_SERVER),  # title without NULs
+        ("python3", [PY, "-c", "from multiprocessing.resource_tracker import main;main(7)"], Role.OTHER),
+        ("python3", [PY, "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=8, pipe_handle=10)", "--multiprocessing-fork"], Role.OTHER),
+        ("bash", ["bash", "-c", "vllm serve m --port 8000"], Role.OTHER),
+        ("python3", [PY, "-m", "pytest", "tests/test_vllm_serve.py"], Role.OTHER),
+        ("sleep", ["sleep", "30"], Role.OTHER),
+        ("", [], Role.OTHER),
+    ],
+)
+def test_classify_role(name: str, cmdline: list[str], role: Role) -> None:
+    assert classify_role(name, cmdline) is role
+
+
+# --- sockets ------------------------------------------------------------------
+
+NET_TCP = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 45657 1 0000000012f1e76a 100 0 0 10 0
+   1: 0100007F:1F40 0100007F:D4C2 01 00000000:00000000 00:00000000 00000000     0        0 45681 1 00000000d45b15df 20 4 30 10 -1
+"""
+NET_TCP6 = """\
+  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000000000000000000001000000:1F41 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 5001 1 0000000000000000 100 0 0 10 0
+   1: 0000000000000000FFFF00000100007F:1F42 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 5002 1 0000000000000000 100 0 0 10 0
+"""
+
+
+def test_parse_proc_net_tcp() -> None:
+    v4 = parse_proc_net_tcp(NET_TCP)
+    assert [(e.local, e.state, e.inode) for e in v4] == [("0.0.0.0:8000", 0x0A, 45657), ("127.0.0.1:8000", 0x01, 45681)]
+    v6 = parse_proc_net_tcp(NET_TCP6)
+    assert [e.local for e in v6] == ["[::1]:8001", "127.0.0.1:8002"]
+    assert format_address("::", 80) == "[::]:80"
+
+
+# --- py-spy with a fake runner -----------------------------------------------
+
+PYSPY_JSON = json.dumps(
+    [
+        {
+            "pid": 4138,
+            "thread_id": 139862306956992,
+            "thread_name": "spinner",
+            "os_thread_id": 4142,
+            "active": True,
+            "owns_gil": True,
+            "process_info": None,
+            "frames": [
+                {"name": "spin", "filename": "/t/spinner.py", "module": None, "short_filename": "spinner.py",
+                 "line": 21, "locals": None, "is_entry": True, "is_shim_entry": False},
+                {"name": "run", "filename": "/usr/lib/python3.11/threading.py", "module": None,
+                 "short_filename": "threading.py", "line": 982, "locals": None, "is_entry": False, "is_shim_entry": False},
+            ],
+        }
+    ]
+)
+
+
+def _runner(stdout: str = "", stderr: str = "", rc: int = 0, raises: BaseException | None = None):
+    calls: list[list[str]] = []
+
+    def run(cmd, **kwargs):
+        calls.append(cmd)
+        assert kwargs["timeout"] > 0
+        if raises is not None:
+            raise raises
+        return subprocess.CompletedProcess(cmd, rc, stdout, stderr)
+
+    run.calls = calls  # type: ignore[attr-defined]
+    return run
+
+
+@pytest.fixture
+def pyspy_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pyspy, "find_pyspy", lambda: "/usr/bin/py-spy")
+
+
+def test_dump_stacks_parses_json(pyspy_found: None) -> None:
+    run = _runner(PYSPY_JSON)
+    dump = pyspy.dump_stacks(4138, runner=run)
+    assert run.calls == [["/usr/bin/py-spy", "dump", "--pid", "4138", "--json", "--nonblocking"]]
+    assert dump.error is None and len(dump.threads) == 1
+    assert pyspy.frame_names(dump.threads[0]) == ["spin (spinner.py:21)", "run (threading.py:982)"]
+    assert pyspy.thread_for_tid(dump, 4142)["thread_name"] == "spinner"
+    assert pyspy.thread_for_tid(dump, 1) is None
+    assert pyspy.stack_failure(dump) is None
+
+
+def test_native_drops_nonblocking(pyspy_found: None) -> None:
+    run = _runner(PYSPY_JSON)
+    dump = pyspy.dump_stacks(4138, native=True, runner=run)
+    assert run.calls[0][-1] == "--native" and "--nonblocking" not in run.calls[0]
+    assert dump.native
+
+
+def test_dump_stacks_missing_tool(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pyspy, "find_pyspy", lambda: None)
+    dump = pyspy.dump_stacks(1, runner=_runner(PYSPY_JSON))
+    assert pyspy.stack_failure(dump).kind is FailureKind.MISSING_TOOL
+
+
+def test_dump_stacks_timeout(pyspy_found: None) -> None:
+    dump = pyspy.dump_stacks(1, timeout=0.5, runner=_runner(raises=subprocess.TimeoutExpired(["py-spy"], 0.5)))
+    assert dump.threads == () and pyspy.stack_failure(dump).kind is FailureKind.TIMEOUT
+
+
+def test_dump_stacks_permission(pyspy_found: None) -> None:
+    stderr = (
+        "Error: Failed to get process executable name. Check that the process is running.\n\nCaused by:\n"
+        "    0: Permission denied (os error 13)\n    1: Permission denied (os error 13)\n"
+    )
+    dump = pyspy.dump_stacks(1, runner=_runner(stderr=stderr, rc=1))  # pid 1 exists
+    failure = pyspy.stack_failure(dump)
+    assert failure.kind is FailureKind.PERMISSION
+    assert "CAP_SYS_PTRACE" in failure.message or "ptrace" in failure.message
+
+
+def test_dump_stacks_not_python_and_bad_json(pyspy_found: None) -> None:
+    dump = pyspy.dump_stacks(1, runner=_runner(stderr="Error: Failed to find python version from target process\n", rc=1))
+    assert "not a Python process" in dump.error
+    dump = pyspy.dump_stacks(1, runner=_runner(stdout='{"not": "a list"}'))
+    assert pyspy.stack_failure(dump).kind is FailureKind.BAD_DATA
+    dump = pyspy.dump_stacks(1, runner=_runner(raises=FileNotFoundError("py-spy")))
+    assert pyspy.stack_failure(dump).kind is FailureKind.MISSING_TOOL
+
+
+def test_stack_failure_without_prefix() -> None:
+    f = pyspy.stack_failure(StackDump(pid=5, t=0.0, error="something odd"))
+    assert f.kind is FailureKind.ERROR and f.message == "something odd" and f.target == "5"
+
+
+# --- scrape with httpx.MockTransport -----------------------------------------
+
+METRICS = "# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
+
+
+def _transport(handler) -> httpx.MockTransport:
+    return httpx.MockTransport(handler)
+
+
+def test_scrape_ok() -> None:
+    t = _transport(lambda r: httpx.Response(200, text=METRICS, headers={"content-type": "text/plain; version=0.0.4"}))
+    s = scrape.scrape_metrics("http://127.0.0.1:8000/metrics", transport=t)
+    assert s.ok and s.status == 200 and s.text == METRICS and s.error is None and s.elapsed_s >= 0
+
+
+def test_scrape_500_keeps_status_and_body() -> None:
+    t = _transport(lambda r: httpx.Response(500, text="Internal Server Error"))
+    s = scrape.scrape_metrics("http://h/metrics", transport=t)
+    assert not s.ok and s.status == 500 and s.text == "Internal Server Error" and "500" in s.error
+
+
+def test_scrape_timeout() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    s = scrape.scrape_metrics("http://h/metrics", timeout=0.2, transport=_transport(handler))
+    assert s.status is None and s.error.startswith("timeout")
+
+
+def test_scrape_connection_refused() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+    s = scrape.scrape_metrics("http://h/metrics", transport=_transport(handler))
+    assert s.status is None and s.error.startswith("unreachable") and "refused" in s.error
+
+
+def test_scrape_non_text() -> None:
+    t = _transport(lambda r: httpx.Response(200, content=b"\x89PNG\r\n\x1a\n\x00", headers={"content-type": "image/png"}))
+    s = scrape.scrape_metrics("http://h/metrics", transport=t)
+    assert s.status == 200 and s.text is None and not s.ok and s.error.startswith("bad_data")
+    t = _transport(lambda r: httpx.Response(200, content=b"\xff\xfe\x00bad"))
+    assert scrape.scrape_metrics("http://h/metrics", transport=t).error.startswith("bad_data")
+
+
+def test_scrape_bad_url_never_raises() -> None:
+    s = scrape.scrape_metrics("ftp://h/metrics")
+    assert s.status is None and s.error
+
+
+def test_probe_health() -> None:
+    assert scrape.probe_health("http://h:8000", transport=_transport(lambda r: httpx.Response(200))) == (200, None)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/health"
+        return httpx.Response(503)
+
+    assert scrape.probe_health("h:8000/v1", transport=_transport(handler)) == (503, None)
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    status, error = scrape.probe_health("http://h:8000", transport=_transport(refuse))
+    assert status is None and error.startswith("unreachable")
+
+
+@pytest.mark.parametrize(
+    ("base", "url"),
+    [
+        ("http://127.0.0.1:8000", "http://127.0.0.1:8000/metrics"),
+        ("http://127.0.0.1:8000/", "http://127.0.0.1:8000/metrics"),
+        ("127.0.0.1:8000", "http://127.0.0.1:8000/metrics"),
+        ("http://host:8000/v1", "http://host:8000/metrics"),
+        ("http://host:8000/metrics", "http://host:8000/metrics"),
+        ("0.0.0.0:8000", "http://127.0.0.1:8000/metrics"),
+        ("[::]:8000", "http://[::1]:8000/metrics"),
+        ("https://vllm.example.com", "https://vllm.example.com/metrics"),
+    ],
+)
+def test_metrics_url_for(base: str, url: str) -> None:
+    assert scrape.metrics_url_for(base) == url

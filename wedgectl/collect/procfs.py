@@ -1,0 +1,351 @@
+"""Read per-thread state from /proc (stat, wchan, syscall, status) without ever stopping the target.
+
+Parsing is kept apart from reading: the ``parse_*`` functions take the text of
+one /proc file, so unit tests feed recorded text, and the readers take a
+``proc_root`` so tests can point them at a recorded tree.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from wedgectl.collect._failures import failure_from_oserror, permission_hint
+from wedgectl.types import CollectorFailure, FailureKind, ThreadSample
+
+COLLECTOR = "procfs"
+PROC = Path("/proc")
+
+try:
+    CLK_TCK = os.sysconf("SC_CLK_TCK")
+except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+    CLK_TCK = 100
+
+# (futex, restart_syscall) numbers per architecture, from the kernel's syscall tables.
+_SYSCALL_NUMBERS: dict[str, tuple[int, int]] = {
+    "x86_64": (202, 219),
+    "amd64": (202, 219),
+    "aarch64": (98, 128),
+    "arm64": (98, 128),
+}
+
+# futex(2) commands (op & FUTEX_CMD_MASK)
+FUTEX_PRIVATE_FLAG = 128
+FUTEX_CLOCK_REALTIME = 256
+_FUTEX_CMDS = {
+    0: "FUTEX_WAIT",
+    1: "FUTEX_WAKE",
+    2: "FUTEX_FD",
+    3: "FUTEX_REQUEUE",
+    4: "FUTEX_CMP_REQUEUE",
+    5: "FUTEX_WAKE_OP",
+    6: "FUTEX_LOCK_PI",
+    7: "FUTEX_UNLOCK_PI",
+    8: "FUTEX_TRYLOCK_PI",
+    9: "FUTEX_WAIT_BITSET",
+    10: "FUTEX_WAKE_BITSET",
+    11: "FUTEX_WAIT_REQUEUE_PI",
+    12: "FUTEX_CMP_REQUEUE_PI",
+    13: "FUTEX_LOCK_PI2",
+}
+# commands that park the caller until someone wakes it: the ones a "waiter" is in
+FUTEX_WAIT_CMDS = frozenset({0, 6, 9, 11, 13})
+
+
+def futex_syscall_numbers(machine: str | None = None) -> tuple[int, int] | None:
+    """(futex, restart_syscall) for this CPU architecture, or None where we do not know them."""
+    return _SYSCALL_NUMBERS.get((machine or platform.machine()).lower())
+
+
+def decode_futex_op(op: int) -> str:
+    """0x189 -> 'FUTEX_WAIT_BITSET_PRIVATE|FUTEX_CLOCK_REALTIME', 0x80 -> 'FUTEX_WAIT_PRIVATE'."""
+    cmd = op & ~(FUTEX_PRIVATE_FLAG | FUTEX_CLOCK_REALTIME)
+    name = _FUTEX_CMDS.get(cmd)
+    if name is None:
+        name = f"FUTEX_OP_{cmd:#x}"
+    if op & FUTEX_PRIVATE_FLAG:
+        name += "_PRIVATE"
+    if op & FUTEX_CLOCK_REALTIME:
+        name += "|FUTEX_CLOCK_REALTIME"
+    return name
+
+
+def is_futex_wait_op(op: int | None) -> bool:
+    """True for ops that block the caller (WAIT, WAIT_BITSET, LOCK_PI, ...); unknown (None) counts."""
+    if op is None:
+        return True
+    return (op & ~(FUTEX_PRIVATE_FLAG | FUTEX_CLOCK_REALTIME)) in FUTEX_WAIT_CMDS
+
+
+# ---------------------------------------------------------------------------
+# pure parsers
+
+
+@dataclass(frozen=True)
+class StatFields:
+    """The fields of /proc/PID[/task/TID]/stat that wedgectl uses (times in clock ticks)."""
+
+    pid: int
+    comm: str
+    state: str
+    ppid: int
+    utime_ticks: int
+    stime_ticks: int
+    num_threads: int
+    starttime_ticks: int
+
+
+def parse_stat(text: str) -> StatFields:
+    """Parse one stat line. comm may hold spaces and parentheses, so split at the LAST ')'."""
+    open_ = text.index("(")
+    close = text.rindex(")")
+    pid = int(text[:open_].strip())
+    comm = text[open_ + 1 : close]
+    rest = text[close + 2 :].split()
+    # rest[0] is field 3 (state); field N is rest[N - 3]
+    return StatFields(
+        pid=pid,
+        comm=comm,
+        state=rest[0],
+        ppid=int(rest[1]),
+        utime_ticks=int(rest[11]),
+        stime_ticks=int(rest[12]),
+        num_threads=int(rest[17]),
+        starttime_ticks=int(rest[19]),
+    )
+
+
+def parse_wchan(text: str) -> str:
+    """The kernel function a thread sleeps in; '0' (running, or not permitted) becomes ''."""
+    text = text.strip()
+    return "" if text in ("", "0") else text
+
+
+def parse_syscall(text: str) -> tuple[int | None, tuple[int, ...]]:
+    """Parse /proc/.../syscall: 'nr a1 a2 a3 a4 a5 a6 sp pc'.
+
+    Returns (None, ()) for 'running' (on a CPU, in user or kernel space), and
+    (-1, ()) for '-1 sp pc' (blocked, but not in a system call: e.g. a page
+    fault or a stop). Otherwise (nr, (a1..a6)).
+    """
+    fields = text.split()
+    if not fields or fields[0] == "running":
+        return None, ()
+    nr = int(fields[0])
+    if nr < 0:
+        return nr, ()
+    return nr, tuple(int(f, 0) for f in fields[1:7])
+
+
+def futex_from_syscall(
+    nr: int | None, args: tuple[int, ...], wchan: str = "", machine: str | None = None
+) -> tuple[int | None, int | None, bool | None]:
+    """(futex_addr, futex_op, futex_timed) when the thread is in futex(2), else (None, None, None).
+
+    restart_syscall counts as futex: after a ptrace attach (a blocking
+    py-spy dump) an interrupted *timed* futex wait resumes through
+    restart_syscall, and /proc still shows the original argument registers.
+    restart_syscall can also resume nanosleep/poll, so when wchan names a
+    non-futex function the thread is not counted as a futex waiter.
+    """
+    numbers = futex_syscall_numbers(machine)
+    if numbers is None or nr is None or len(args) < 4:
+        return None, None, None
+    futex_nr, restart_nr = numbers
+    if nr == restart_nr and wchan and "futex" not in wchan:
+        return None, None, None
+    if nr not in (futex_nr, restart_nr):
+        return None, None, None
+    return args[0], args[1], args[3] != 0
+
+
+def parse_ctxt_switches(status_text: str) -> tuple[int | None, int | None]:
+    """(voluntary, nonvoluntary) context switches from a status file."""
+    vol = nonvol = None
+    for line in status_text.splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            vol = int(line.split(":", 1)[1])
+        elif line.startswith("nonvoluntary_ctxt_switches:"):
+            nonvol = int(line.split(":", 1)[1])
+    return vol, nonvol
+
+
+def thread_from_texts(
+    tid: int,
+    stat: str,
+    wchan: str | None = None,
+    syscall: str | None = None,
+    status: str | None = None,
+    machine: str | None = None,
+    clk_tck: int = CLK_TCK,
+) -> ThreadSample:
+    """Build one ThreadSample from the texts of its /proc files (None: unreadable)."""
+    st = parse_stat(stat)
+    wchan_name = parse_wchan(wchan) if wchan is not None else ""
+    nr, args = parse_syscall(syscall) if syscall is not None else (None, ())
+    addr, op, timed = futex_from_syscall(nr, args, wchan_name, machine)
+    vol, nonvol = parse_ctxt_switches(status) if status is not None else (None, None)
+    return ThreadSample(
+        tid=tid,
+        comm=st.comm,
+        state=st.state,
+        wchan=wchan_name,
+        syscall_nr=nr,
+        syscall_args=args,
+        futex_addr=addr,
+        futex_op=op,
+        futex_timed=timed,
+        utime_s=st.utime_ticks / clk_tck,
+        stime_s=st.stime_ticks / clk_tck,
+        voluntary_switches=vol,
+        nonvoluntary_switches=nonvol,
+    )
+
+
+def group_futex_waiters(threads: Iterable[ThreadSample]) -> dict[int, tuple[int, ...]]:
+    """futex address -> tids parked on it.
+
+    One address is one lock: threads contending for the same threading.Lock
+    share it. threading.Condition (hence Event, Queue, Thread.join's waits on
+    a Condition) parks each waiter on a fresh lock of its own, so waiters of one
+    Condition show *distinct* addresses.
+    """
+    groups: dict[int, list[int]] = {}
+    for t in threads:
+        if t.futex_addr is not None and is_futex_wait_op(t.futex_op):
+            groups.setdefault(t.futex_addr, []).append(t.tid)
+    return {addr: tuple(sorted(tids)) for addr, tids in sorted(groups.items())}
+
+
+# ---------------------------------------------------------------------------
+# readers
+
+
+def _read_text(path: Path) -> str:
+    # One read() of a small /proc file is atomic for the kernel's seq_file.
+    with open(path, "rb", buffering=0) as f:
+        return f.read(65536).decode("utf-8", "replace")
+
+
+@dataclass(frozen=True)
+class ProcessStat:
+    """Process-wide figures from /proc/PID/stat, in seconds."""
+
+    pid: int
+    comm: str
+    state: str
+    ppid: int
+    utime_s: float
+    stime_s: float
+    num_threads: int
+    starttime_ticks: int
+
+    @property
+    def cpu_s(self) -> float:
+        return self.utime_s + self.stime_s
+
+
+def read_process_stat(
+    pid: int, proc_root: Path = PROC
+) -> tuple[ProcessStat | None, tuple[CollectorFailure, ...]]:
+    """State, ppid, CPU times and thread count of one process."""
+    try:
+        st = parse_stat(_read_text(proc_root / str(pid) / "stat"))
+    except OSError as exc:
+        return None, (failure_from_oserror(COLLECTOR, exc, str(pid), f"/proc/{pid}/stat", pid),)
+    except (ValueError, IndexError) as exc:
+        return None, (CollectorFailure(COLLECTOR, FailureKind.BAD_DATA, f"/proc/{pid}/stat: {exc}", str(pid)),)
+    return (
+        ProcessStat(
+            pid=st.pid,
+            comm=st.comm,
+            state=st.state,
+            ppid=st.ppid,
+            utime_s=st.utime_ticks / CLK_TCK,
+            stime_s=st.stime_ticks / CLK_TCK,
+            num_threads=st.num_threads,
+            starttime_ticks=st.starttime_ticks,
+        ),
+        (),
+    )
+
+
+def read_threads(
+    pid: int,
+    proc_root: Path = PROC,
+    *,
+    timeout: float = 2.0,
+    machine: str | None = None,
+) -> tuple[tuple[ThreadSample, ...], tuple[CollectorFailure, ...]]:
+    """Every thread of ``pid`` from /proc/PID/task/*/{stat,wchan,syscall,status}.
+
+    comm is taken from stat (the same 16-byte task->comm the comm file shows),
+    saving one read per thread. A thread that exits mid-read is dropped and
+    reported once as GONE; unreadable wchan/syscall (ptrace access refused)
+    leave those fields empty and are reported once as PERMISSION. Stops after
+    ``timeout`` seconds and reports the threads it skipped as TIMEOUT.
+    """
+    task_dir = proc_root / str(pid) / "task"
+    try:
+        tids = sorted(int(name) for name in os.listdir(task_dir) if name.isdigit())
+    except OSError as exc:
+        return (), (failure_from_oserror(COLLECTOR, exc, str(pid), f"/proc/{pid}/task", pid),)
+
+    deadline = time.monotonic() + timeout
+    threads: list[ThreadSample] = []
+    failures: list[CollectorFailure] = []
+    gone: list[int] = []
+    denied: dict[str, list[int]] = {}
+    for i, tid in enumerate(tids):
+        if time.monotonic() > deadline:
+            failures.append(
+                CollectorFailure(
+                    COLLECTOR,
+                    FailureKind.TIMEOUT,
+                    f"read {i} of {len(tids)} threads in {timeout:.1f}s; skipped tids {tids[i:][:20]}",
+                    str(pid),
+                )
+            )
+            break
+        tdir = task_dir / str(tid)
+        texts: dict[str, str | None] = {}
+        try:
+            for name in ("stat", "wchan", "syscall", "status"):
+                try:
+                    texts[name] = _read_text(tdir / name)
+                except PermissionError:
+                    if name == "stat":
+                        raise
+                    texts[name] = None
+                    denied.setdefault(name, []).append(tid)
+            threads.append(
+                thread_from_texts(
+                    tid, texts["stat"] or "", texts["wchan"], texts["syscall"], texts["status"], machine
+                )
+            )
+        except (FileNotFoundError, ProcessLookupError):
+            gone.append(tid)
+        except OSError as exc:
+            failures.append(failure_from_oserror(COLLECTOR, exc, str(tid), f"/proc/{pid}/task/{tid}", pid))
+        except (ValueError, IndexError) as exc:
+            failures.append(
+                CollectorFailure(COLLECTOR, FailureKind.BAD_DATA, f"/proc/{pid}/task/{tid}: {exc}", str(tid))
+            )
+
+    if gone:
+        what = "process exited mid-read" if not threads else f"{len(gone)} thread(s) exited mid-read: {gone[:20]}"
+        failures.append(CollectorFailure(COLLECTOR, FailureKind.GONE, what, str(pid)))
+    for name, denied_tids in denied.items():
+        failures.append(
+            CollectorFailure(
+                COLLECTOR,
+                FailureKind.PERMISSION,
+                f"/proc/{pid}/task/*/{name} unreadable for {len(denied_tids)} thread(s); {permission_hint(pid)}",
+                str(pid),
+            )
+        )
+    return tuple(threads), tuple(failures)

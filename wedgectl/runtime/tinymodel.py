@@ -1,0 +1,83 @@
+"""Generates the tiny random-weight Llama model the test servers load.
+
+No model hub is reachable, and nothing large is committed: the model is made
+at run time, deterministically, by `_make_model.py` running inside the
+runtime's python (wedgectl's own environment has no torch).
+"""
+
+from __future__ import annotations
+
+from wedgectl import exitcodes
+from wedgectl.errors import WedgectlError
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from wedgectl.runtime.install import cache_dir
+
+MODEL_NAME = "tiny-llama-v1"
+MARKER = ".wedgectl-ok"
+MAKE_MODEL_SCRIPT = Path(__file__).with_name("_make_model.py")
+MAKE_TIMEOUT_S = 300
+
+
+class ModelBuildError(WedgectlError):
+    """_make_model.py failed or ran too long; the message carries its output."""
+
+    exit_code = exitcodes.RUNTIME_MISSING
+
+
+def tiny_model_dir() -> Path:
+    return cache_dir() / "models" / MODEL_NAME
+
+
+def ensure_tiny_model(
+    python: str | os.PathLike[str],
+    dest: Path | None = None,
+    timeout_s: float = MAKE_TIMEOUT_S,
+) -> Path:
+    """Return the tiny model's folder, generating it first if needed.
+
+    Written to a sibling folder and renamed into place, so a reader never sees
+    a half-written model and an interrupted run leaves nothing that counts.
+    """
+    dest = tiny_model_dir() if dest is None else dest
+    if (dest / MARKER).is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    try:
+        done = subprocess.run(
+            [str(python), str(MAKE_MODEL_SCRIPT), str(staging)],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ModelBuildError(
+            f"{MAKE_MODEL_SCRIPT.name} ran past {timeout_s:.0f} s"
+        ) from None
+    except OSError as exc:
+        raise ModelBuildError(f"cannot run {python}: {exc}") from None
+    if done.returncode != 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-20:])
+        raise ModelBuildError(
+            f"{MAKE_MODEL_SCRIPT.name} exited {done.returncode}:\n{tail}"
+        )
+    (staging / MARKER).write_text(done.stdout.strip().splitlines()[-1] + "\n")
+    try:
+        staging.rename(dest)
+    except OSError:
+        # Someone else finished first (rename onto a non-empty folder fails).
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (dest / MARKER).is_file():
+            raise
+    return dest
