@@ -70,20 +70,43 @@ def test_seed000_truncated_to_one_line_is_not_starved(tmp_path):
     assert v.verdict is VerdictKind.PROGRESSING
 
 
-def test_deadlock_needs_the_silence(tmp_path):
-    # The same last stats line with no scrapes after it is not yet a deadlock.
+def test_deadlock_without_the_silence_is_less_certain(tmp_path):
+    # The last stats line alone (a 10 s interval at 0 tokens/s with a request running) is the
+    # stop; the 660 answered scrapes after it are what make it certain and give its length.
     lines = (LOGS / "seed002_deadlock.log").read_text().splitlines()[:11]
     short = tmp_path / "short.log"
     short.write_text("\n".join(lines) + "\n")
     v = classify(bundle_from_log(short))
-    assert v.verdict is not VerdictKind.ENGINE_DEADLOCK
+    full = verdict_of("seed002_deadlock.log")
+    assert v.verdict is VerdictKind.ENGINE_DEADLOCK
+    assert v.confidence < full.confidence
+    assert "engine_silent_s" not in v.facts
 
 
-def test_log_with_only_probe_lines_is_idle(tmp_path):
-    p = tmp_path / "idle.log"
+def test_a_stats_line_with_tokens_flowing_is_not_a_deadlock(tmp_path):
+    lines = (LOGS / "seed002_deadlock.log").read_text().splitlines()[:8]
+    short = tmp_path / "flowing.log"
+    short.write_text("\n".join(lines) + "\n")
+    assert classify(bundle_from_log(short)).verdict is VerdictKind.PROGRESSING
+
+
+def test_log_with_only_probe_lines_is_inconclusive(tmp_path):
+    # No stats line: vLLM is silent both when idle and when stuck before its first interval.
+    p = tmp_path / "probes.log"
     p.write_text('(APIServer pid=7) INFO:     127.0.0.1:1 - "GET /health HTTP/1.1" 200 OK\n' * 3)
     v = classify(bundle_from_log(p))
+    assert v.verdict is VerdictKind.INCONCLUSIVE
+    assert any("no stats lines" in e.what for e in v.evidence)
+
+
+def test_real_server_log_that_ends_idle():
+    # Recorded from the managed runtime: a burst of requests, then the all-zero line, then quiet.
+    v = classify(bundle_from_log(LOGS.parent / "real" / "progressing_server.log"))
     assert v.verdict is VerdictKind.IDLE
+    assert v.evidence[0].values["gen_tokens_per_s"] == 0
+    # A server that never served logs no stats line at all: a log alone cannot call that idle.
+    v = classify(bundle_from_log(LOGS.parent / "real" / "idle_server.log"))
+    assert v.verdict is VerdictKind.INCONCLUSIVE
 
 
 def test_vllm_lines_with_no_decision_are_inconclusive(tmp_path):

@@ -11,6 +11,7 @@ is stronger than a log, so live rules come first.
 from __future__ import annotations
 
 import datetime as _dt
+import re
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,8 +32,8 @@ from wedgectl.types import (
 )
 
 # Thresholds, with the reason for each.
-SPINNING_CORES = 0.5  # a wedged EngineCore burns ~1.4 cores on CPU (~690 schedule()/s); idle < 0.05
-PARKED_CORES = 0.2  # a blocked EngineCore sleeps; its poll loop costs a few % at most
+SPINNING_CORES = 0.5  # engine (EngineCore + Workers) in a wedge: ~1.2 cores here; a parked one ~0
+PARKED_CORES = 0.2  # a blocked engine sleeps in zmq poll: measured 0.01 cores
 MIN_FROZEN_S = 2.0  # ~2 ms per token here: a live engine moves the counter many times in 2 s
 CERTAIN_FROZEN_S = 10.0  # frozen this long with work in flight is past any sane step time
 LOG_SILENCE_S = 25.0  # vLLM logs stats every 10 s at INFO while tokens flow; two missed lines
@@ -191,20 +192,31 @@ class View:
     def processes_with_role(self, role: Role) -> list[tuple[float, ProcessSample]]:
         return [(s.t, p) for s in self.samples for p in s.processes if p.role == role]
 
-    def cpu_cores(self, role: Role) -> float | None:
-        """Mean cores used by the processes of a role between the first and last sample."""
+    def cpu_by_pid(self, role: Role) -> dict[int, float]:
+        """Mean cores each process of a role used between its first and last sample."""
         by_pid: dict[int, list[tuple[float, float]]] = {}
         for t, p in self.processes_with_role(role):
             by_pid.setdefault(p.pid, []).append((t, p.cpu_s))
-        rates = []
-        for pts in by_pid.values():
-            if len(pts) >= 2 and pts[-1][0] > pts[0][0]:
-                rates.append((pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]))
-        return max(rates) if rates else None
+        return {
+            pid: (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
+            for pid, pts in by_pid.items()
+            if len(pts) >= 2 and pts[-1][0] > pts[0][0]
+        }
+
+    def cpu_cores(self, role: Role) -> float | None:
+        rates = self.cpu_by_pid(role)
+        return sum(rates.values()) if rates else None
 
     @cached_property
     def engine_cores(self) -> float | None:
-        return self.cpu_cores(Role.ENGINE_CORE)
+        """Cores the engine burns: EngineCore plus its Workers. In a wedge on vLLM 0.32 the
+        EngineCore sleeps 1 ms after each no-op step (~0.25 core) while every empty step is
+        still broadcast to the Workers, which spin on the shared-memory queue (~1 core); in a
+        blocked engine both sleep."""
+        core, workers = self.cpu_cores(Role.ENGINE_CORE), self.cpu_cores(Role.WORKER)
+        if core is None and workers is None:
+            return None
+        return (core or 0.0) + (workers or 0.0)
 
     @cached_property
     def last_processes(self) -> tuple[ProcessSample, ...]:
@@ -234,6 +246,14 @@ class View:
                 if d.error is None and d.threads:
                     out[d.pid] = d
         return out
+
+    def stack_burst(self, pid: int) -> list[StackDump]:
+        """Every good dump of pid from the last sample that has any (the end-of-window burst)."""
+        for s in reversed(self.samples):
+            dumps = [d for d in s.stacks if d.pid == pid and d.error is None and d.threads]
+            if dumps:
+                return dumps
+        return []
 
     def stack_of_role(self, role: Role) -> StackDump | None:
         for p in self.last_processes:
@@ -337,6 +357,17 @@ def _longest_contiguous_run(stats: Sequence[StatsLine]) -> tuple[StatsLine, Stat
     return best
 
 
+_LOG_HEADER = re.compile(
+    r"^\s*(?:\([\w:.-]+ pid=\d+\)\s*)?(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL):?\s+)?"
+    r"(?:\d{2}-\d{2} \d{2}:\d{2}:\d{2}\s+)?(?:\[[\w./-]+:\d+\]\s*)?"
+)
+
+
+def _message(text: str) -> str:
+    """A log line without its '(APIServer pid=N) INFO 12-01 08:24:14 [file.py:N]' header."""
+    return _LOG_HEADER.sub("", text, count=1).strip()
+
+
 def _stats_evidence(s: StatsLine, what: str) -> Evidence:
     return Evidence(
         source="log",
@@ -394,11 +425,15 @@ def _engine_cpu_evidence(v: View) -> Evidence | None:
     if cores is None:
         return None
     p = v.last_of_role(Role.ENGINE_CORE)
+    core = v.cpu_cores(Role.ENGINE_CORE)
+    workers = v.cpu_cores(Role.WORKER)
     state = "spinning" if cores >= SPINNING_CORES else "parked" if cores <= PARKED_CORES else "busy"
+    split = f"EngineCore {core or 0:.2f}" + (f" + Workers {workers:.2f}" if workers is not None else "")
     return Evidence(
         source="proc",
-        what=f"EngineCore pid {p.pid if p else '?'} used {cores:.2f} cores over the window ({state})",
-        values={"pid": p.pid if p else None, "cores": round(cores, 3), "state": p.state if p else None},
+        what=f"engine used {cores:.2f} cores over the window ({split}): {state}",
+        values={"pid": p.pid if p else None, "cores": round(cores, 3), "engine_core_cores": None if core is None else round(core, 3),
+                "worker_cores": None if workers is None else round(workers, 3), "state": p.state if p else None},
     )
 
 
@@ -416,6 +451,35 @@ def _engine_stack_evidence(v: View) -> Evidence | None:
         what=f"EngineCore main thread: {where} (innermost: {frames[0] if frames else '?'})",
         values={"pid": dump.pid, "where": where, "frames": frames[:8]},
     )
+
+
+def _profile_evidence(v: View) -> list[Evidence]:
+    """Where the EngineCore and each Worker spent the end-of-window burst of stack dumps."""
+    out = []
+    for p in v.last_processes:
+        if p.role not in (Role.ENGINE_CORE, Role.WORKER):
+            continue
+        dumps = v.stack_burst(p.pid)
+        if len(dumps) < 2:
+            continue
+        where = stk.classify_worker_thread if p.role == Role.WORKER else stk.classify_engine_thread
+        prof = stk.profile(dumps, where)
+        name = "Worker" if p.role == Role.WORKER else "EngineCore"
+        parts = ", ".join(f"{n} {k}" for k, n in sorted(prof.items(), key=lambda kv: -kv[1]))
+        out.append(Evidence("stack", f"{name} pid {p.pid}, {len(dumps)} stack samples: {parts}",
+                            values={"pid": p.pid, "role": p.role.value, "samples": len(dumps), "profile": prof}))
+    return out
+
+
+def _worker_model_share(v: View) -> float | None:
+    """The share of Worker stack samples inside execute_model (None without a burst)."""
+    total = inside = 0
+    for p in v.last_processes:
+        if p.role == Role.WORKER:
+            prof = stk.profile(v.stack_burst(p.pid), stk.classify_worker_thread)
+            total += sum(prof.values())
+            inside += prof.get(stk.WORKER_IN_MODEL, 0)
+    return inside / total if total >= 2 else None
 
 
 def _heartbeat_evidence(v: View) -> Evidence | None:
@@ -486,7 +550,7 @@ def live_engine_dead(v: View) -> Verdict | None:
                        f"{'no EngineCore process' if engine is None else 'EngineCore pid %d' % engine.pid}")]
         if v.last_health == 503:
             ev.append(Evidence("metrics", "GET /health answered 503"))
-        ev += [Evidence("log", f.text[:160], t=format_stamp(f.t) if f.t is not None else None, values={"line": f.lineno}) for f in dead_lines[:2]]
+        ev += [Evidence("log", _message(f.text)[:160], t=format_stamp(f.t) if f.t is not None else None, values={"line": f.lineno}) for f in dead_lines[:2]]
         return Verdict(
             VerdictKind.ENGINE_DEAD, 0.95, "The engine process died; the API server answers but every request fails.",
             "live_engine_dead", tuple(ev),
@@ -535,7 +599,7 @@ def live_shutdown_hang(v: View) -> Verdict | None:
         if began.t is not None and v.now_logtime is not None and v.now_logtime >= began.t:
             ago = v.now_logtime - began.t
             facts["shutdown_age_s"] = round(ago, 1)
-        ev.append(Evidence("log", f"shutdown began: {began.text.strip()[:120]}" + (f" ({fmt_duration(ago)} ago)" if ago is not None else ""),
+        ev.append(Evidence("log", f"shutdown began: {_message(began.text)[:120]}" + (f" ({fmt_duration(ago)} ago)" if ago is not None else ""),
                            t=began.stamp if hasattr(began, "stamp") else (format_stamp(began.t) if began.t is not None else None),
                            values={"line": began.lineno, "kind": began.kind}))
         waiting = [s for s in _shutdown_lines(v) if s.kind == "waiting_connections" and s.lineno >= began.lineno]
@@ -603,8 +667,12 @@ def live_admission_wedge(v: View) -> Verdict | None:
                           + f", 0 running, KV cache {((m.kv_usage or 0) * 100):.1f}% used"),
         _counter_evidence(v),
     ]
-    ev += _present(_engine_cpu_evidence(v), _heartbeat_evidence(v), _engine_stack_evidence(v))
-    if where == stk.IN_MODEL:
+    ev += _present(_engine_cpu_evidence(v), _heartbeat_evidence(v))
+    ev += _profile_evidence(v) or list(_present(_engine_stack_evidence(v)))
+    share = _worker_model_share(v)
+    if where == stk.IN_MODEL and not (spinning_cpu or spinning_hb):
+        # A parked engine inside execute_model with stale gauges is the deadlock's shape; a
+        # spinning one is only broadcasting its no-op steps to the workers.
         confidence = min(confidence, 0.6)
     advice = [
         "The request needs more KV blocks than the pool can ever free: it will wait forever. "
@@ -619,7 +687,9 @@ def live_admission_wedge(v: View) -> Verdict | None:
         f"{waiting:.0f} request(s) waiting that the scheduler never admits; nothing runs, "
         f"tokens frozen {fmt_duration(g.frozen_s)}" + (", engine spinning." if spinning_cpu or spinning_hb else "."),
         "live_admission_wedge", tuple(ev), tuple(advice),
-        {"frozen_s": round(g.frozen_s, 2), "engine_cores": cores, "waiting": waiting},
+        {"frozen_s": round(g.frozen_s, 2), "engine_cores": cores, "waiting": waiting,
+         "worker_model_share": share, "kv_usage_pct": round((m.kv_usage or 0) * 100, 2),
+         "waiting_capacity": m.waiting_capacity},
     )
 
 
@@ -648,8 +718,12 @@ def live_engine_deadlock(v: View) -> Verdict | None:
         confidence = 0.8
     else:
         confidence = 0.55 if running >= 1 else 0.4
+    share = _worker_model_share(v)
+    if share is not None and share >= 0.9 and confidence < 0.95 and (parked or hb_frozen):
+        confidence = 0.95  # every Worker sample inside execute_model, engine asleep: stuck in the step
     ev = [_metrics_evidence(v, f"{running:.0f} running, {waiting:.0f} waiting, all gauges frozen"), _counter_evidence(v)]
     ev += _present(_engine_cpu_evidence(v), _heartbeat_evidence(v), _engine_stack_evidence(v))
+    ev += _profile_evidence(v)
     engine = v.last_of_role(Role.ENGINE_CORE)
     if engine is not None:
         ev += _present(stk_futex_summary(engine))
@@ -674,7 +748,8 @@ def live_engine_deadlock(v: View) -> Verdict | None:
         f"The engine stopped with {running:.0f} running / {waiting:.0f} waiting; counters frozen "
         f"{fmt_duration(g.frozen_s)}" + (", EngineCore parked." if parked else "."),
         "live_engine_deadlock", tuple(ev), advice,
-        {"frozen_s": round(g.frozen_s, 2), "engine_cores": cores, "running": running, "waiting": waiting},
+        {"frozen_s": round(g.frozen_s, 2), "engine_cores": cores, "running": running, "waiting": waiting,
+         "worker_model_share": share},
     )
 
 
@@ -763,7 +838,7 @@ def log_engine_dead(v: View) -> Verdict | None:
     if not dead:
         return None
     shm = [f for f in v.log.failures if f.kind == "shm_broadcast_timeout"]
-    ev = [Evidence("log", f.text.strip()[:160], t=format_stamp(f.t) if f.t is not None else None, values={"line": f.lineno}) for f in dead[:3]]
+    ev = [Evidence("log", _message(f.text)[:160], t=format_stamp(f.t) if f.t is not None else None, values={"line": f.lineno}) for f in dead[:3]]
     if shm:
         ev.insert(0, Evidence("log", f"{len(shm)} 'No available shared memory broadcast block' warning(s) before: a worker stopped answering",
                               t=format_stamp(shm[0].t) if shm[0].t is not None else None, values={"line": shm[0].lineno}))
@@ -781,10 +856,10 @@ def log_shutdown_hang(v: View) -> Verdict | None:
     connections to close') and 'Finished server process' never follows. vLLM 0.32's uvicorn waits
     for open client connections with no bound."""
     began = _shutdown_began(v)
-    if began is None:
-        return None
+    if began is None or v.exited:
+        return None  # a live capture saw the process go: the shutdown finished
     waiting = [s for s in _shutdown_lines(v) if s.kind == "waiting_connections" and s.lineno >= began.lineno]
-    ev = [Evidence("log", f"shutdown began: {began.text.strip()[:120]}", t=format_stamp(began.t) if began.t is not None else None,
+    ev = [Evidence("log", f"shutdown began: {_message(began.text)[:120]}", t=format_stamp(began.t) if began.t is not None else None,
                    values={"line": began.lineno, "kind": began.kind})]
     if waiting:
         ev.append(Evidence("log", "uvicorn: Waiting for connections to close (no bound)", values={"line": waiting[0].lineno}))
@@ -809,8 +884,11 @@ def log_engine_deadlock(v: View) -> Verdict | None:
     shm = [f for f in (v.log.failures if v.log else ()) if f.kind == "shm_broadcast_timeout"]
     silence = v.log_silence_s
     n_after = v.scrapes_after_last_stats
-    stalled = s.gen_tps == 0 or (silence is not None and silence >= LOG_SILENCE_S)
-    if not ((silence is not None and silence >= LOG_SILENCE_S) or n_after >= 6 or shm) or not stalled:
+    silent = (silence is not None and silence >= LOG_SILENCE_S) or n_after >= 6 or bool(shm)
+    # A whole stats interval at 0 tokens/s (prompt and generation) with requests running is a
+    # stop in itself: a running request emits a token every step.
+    zero_interval = s.gen_tps == 0 and s.prompt_tps == 0 and len(v.stats) >= 2
+    if not (silent and (s.gen_tps == 0 or (silence or 0) >= LOG_SILENCE_S)) and not zero_interval:
         return None
     facts: dict[str, object] = {"scrapes_after_last_stats": n_after}
     what = f"stats lines stopped after {s.stamp or 'line %d' % s.lineno} with {s.running} running"
@@ -828,7 +906,7 @@ def log_engine_deadlock(v: View) -> Verdict | None:
     if shm:
         ev.append(Evidence("log", f"'No available shared memory broadcast block' x{len(shm)}: a worker stopped answering", values={"line": shm[0].lineno}))
     return Verdict(
-        VerdictKind.ENGINE_DEADLOCK, 0.8 if silence is not None else 0.7,
+        VerdictKind.ENGINE_DEADLOCK, (0.8 if silence is not None else 0.7) if silent else 0.6,
         f"The engine stopped with {s.running} request(s) running"
         + (f" and has been silent ~{fmt_duration(silence)}" if silence is not None else "")
         + " while /metrics kept answering.",
@@ -847,11 +925,13 @@ def log_admission_wedge(v: View) -> Verdict | None:
     if s is None or s.running != 0 or s.waiting < 1 or s.gen_tps > 0 or s.prompt_tps > 0:
         return None
     silence = v.log_silence_s
-    repeats = [x for x in v.stats[-3:] if x.running == 0 and x.waiting == s.waiting and x.gen_tps == 0]
-    if not ((silence is not None and silence >= LOG_SILENCE_S) or v.scrapes_after_last_stats >= 6 or len(repeats) >= 3):
+    silent = (silence is not None and silence >= LOG_SILENCE_S) or v.scrapes_after_last_stats >= 6
+    # The line itself covers a whole interval (10 s) in which a request waited while nothing ran
+    # and nothing was computed: with an idle engine, vLLM admits a waiting request at once.
+    if not silent and len(v.stats) < 2:
         return None
     return Verdict(
-        VerdictKind.ADMISSION_WEDGE, 0.7,
+        VerdictKind.ADMISSION_WEDGE, 0.75 if silent else 0.65,
         f"{s.waiting} request(s) waiting, none running, no tokens: the scheduler never admits them"
         + (f" (~{fmt_duration(silence)})." if silence is not None else "."),
         "log_admission_wedge",
@@ -920,16 +1000,15 @@ def log_progressing(v: View) -> Verdict | None:
 
 
 def log_idle(v: View) -> Verdict | None:
-    """The last stats line shows nothing running or waiting (vLLM logs idle stats at DEBUG, so an
-    idle server's log often just ends), or the log has only start-up and probe lines."""
+    """The last stats line shows nothing running or waiting. vLLM logs a line at INFO only while
+    tokens flow (then one all-zero line), so an idle server's log ends on that line. A log with
+    no stats line at all does not decide: a wedge that began before the first 10 s interval
+    looks the same."""
     s = v.last_stats
-    if s is not None and (s.running or s.waiting):
+    if s is None or s.running or s.waiting:
         return None
-    if s is None and not (v.log and (v.log.access or v.log.startup)):
-        return None
-    ev = (_stats_evidence(s, "the last stats line: nothing running or waiting"),) if s else (
-        Evidence("log", "no stats lines: vLLM logs them at INFO only while tokens flow"),)
-    return Verdict(VerdictKind.IDLE, 0.7 if s else 0.5, "Idle: nothing running or waiting at the end of the log.", "log_idle", ev)
+    return Verdict(VerdictKind.IDLE, 0.7, "Idle: nothing running or waiting at the end of the log.", "log_idle",
+                   (_stats_evidence(s, "the last stats line: nothing running or waiting"),))
 
 
 LIVE_RULES: tuple[Callable[[View], Verdict | None], ...] = (
@@ -1001,6 +1080,8 @@ def _inconclusive(v: View) -> Verdict:
         ev += _present(_engine_cpu_evidence(v), _engine_stack_evidence(v))
     if v.log is not None:
         ev.append(Evidence("log", f"{v.log.n_lines} lines, {len(v.stats)} stats lines, {len(v.log.access)} access lines"))
+        if not v.stats:
+            ev.append(Evidence("log", "no stats lines: vLLM logs them only while tokens flow, so idle and stuck look alike"))
         advice.append("Capture the live process: `wedgectl diagnose --pid PID --save-bundle hang.tar.gz`.")
     if not advice:
         advice.append("Capture more: `wedgectl diagnose --pid PID --window 15`.")

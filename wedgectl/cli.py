@@ -53,7 +53,7 @@ def diagnose(
     save_bundle: Annotated[Optional[Path], typer.Option("--save-bundle", help="Write the evidence to this directory or .tar.gz.")] = None,
     native: Annotated[bool, typer.Option("--native", help="Native stacks too (py-spy pauses the target briefly).")] = False,
     no_stacks: Annotated[bool, typer.Option("--no-stacks", help="Do not run py-spy.")] = False,
-    ebpf: Annotated[str, typer.Option("--ebpf", help="auto|on|off: add eBPF futex/off-CPU probes where the kernel allows.")] = "off",
+    ebpf: Annotated[str, typer.Option("--ebpf", help="auto|on|off: trace futex waits/wakes and off-CPU time per thread (bcc, else bpftrace, else /proc; see `wedgectl probes`).")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
 ) -> None:
@@ -110,6 +110,11 @@ def diagnose(
         extra["pid"] = b.manifest.target.pid
     if b.manifest.target.url is not None:
         extra["url"] = b.manifest.target.url
+    # --- eBPF probes: in --json, the probe header and one object per traced thread (tid, futex_addr, wait_s, ...)
+    probe_records = next((s.probes for s in reversed(b.samples) if s.probes), ())
+    if probe_records:
+        extra["probes"] = list(probe_records)
+    # --- end eBPF probes
     _emit(verdict, as_json, **extra)
     raise typer.Exit(exitcodes.for_verdict(verdict.verdict))
 
@@ -156,6 +161,85 @@ def repro(
             typer.echo(f"pid: {result.pid}")
             typer.echo(f"url: {result.url}")
     raise typer.Exit(0 if result.matched else exitcodes.REPRO_FAILED)
+
+
+# --- wedgectl top (the code is in wedgectl/tui/) -----------------------------
+@app.command()
+def top(
+    pid: Annotated[Optional[int], typer.Option("--pid", help="Any pid of the vLLM deployment to watch.")] = None,
+    url: Annotated[Optional[str], typer.Option("--url", help="The server's base URL (metrics only without --pid).")] = None,
+    bundle: Annotated[Optional[Path], typer.Option("--bundle", help="Replay a saved evidence bundle in the same view.")] = None,
+    refresh: Annotated[float, typer.Option("--refresh", help="Seconds between samples.")] = 2.0,
+    stacks_every: Annotated[int, typer.Option("--stacks-every", help="py-spy stacks on every Nth refresh (d/D take them at once).")] = 5,
+    save_dir: Annotated[Path, typer.Option("--save-dir", help="Folder for bundles saved with the s key.")] = Path("."),
+) -> None:
+    """Watch a vLLM deployment and its verdict live; with no target, pick one of the servers found here.
+
+    Keys: s save bundle, d stacks, D native stacks, w swap to the patched engine, ? help, q quit.
+    """
+    from wedgectl.tui import BundleSource, LiveSource, make_app
+
+    if bundle is not None and (pid is not None or url is not None):
+        raise typer.BadParameter("--bundle replays saved evidence; it takes no --pid or --url")
+    if refresh <= 0 or stacks_every < 1:
+        raise typer.BadParameter("--refresh must be > 0 and --stacks-every >= 1")
+    if bundle is not None:
+        source = BundleSource.load(bundle)
+    elif pid is not None or url is not None:
+        source = LiveSource.connect(pid=pid, url=url)
+    else:
+        source = None
+    make_app(source, refresh_s=refresh, stacks_every=stacks_every, save_dir=save_dir).run()
+# --- end wedgectl top ---------------------------------------------------------
+
+
+# --- wedgectl probes (the code is in wedgectl/collect/ebpf.py and probes/) --------
+@app.command()
+def probes(
+    pid: Annotated[Optional[int], typer.Option("--pid", help="Run the probes on this pid and its descendants.")] = None,
+    seconds: Annotated[float, typer.Option("--seconds", help="How long to trace with --pid.")] = 5.0,
+    backend: Annotated[str, typer.Option("--backend", help="auto|bcc|bpftrace|procfs.")] = "auto",
+    pylocks: Annotated[bool, typer.Option("--pylocks", help="Also time blocking Python lock acquires (uprobe on libpython; every Python process on the host pays for it).")] = False,
+    verify: Annotated[bool, typer.Option("--verify", help="Compile and attach a trial program per back-end (slower, surer).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Say which probe back-ends this host supports and why not; with --pid, trace it and print per-thread results.
+
+    Exit status: 0 an eBPF back-end can run (or, with --pid, the probe reported);
+    3 only the /proc fallback is available; 5 --pid is gone; 6 the probe failed.
+    """
+    import json as json_
+
+    from wedgectl.collect import ebpf
+
+    if backend not in ("auto", *ebpf.BACKENDS) or seconds <= 0 or seconds > ebpf.MAX_WINDOW_S:
+        raise typer.BadParameter(f"--backend takes auto, bcc, bpftrace or procfs; 0 < --seconds <= {ebpf.MAX_WINDOW_S:.0f}")
+    names = ebpf.ALL_PROBES if pylocks else ebpf.DEFAULT_PROBES
+    if pid is None:
+        statuses = ebpf.detect_backends(names, verify=verify)
+        chosen = ebpf.choose_backend(statuses)
+        if as_json:
+            typer.echo(json_.dumps({"backends": [s.__dict__ for s in statuses],
+                                    "chosen": chosen.name if chosen else None}, indent=2))
+        else:
+            for line in ebpf.render_backends(statuses, ebpf.ALL_PROBES):
+                typer.echo(line)
+        raise typer.Exit(0 if chosen is not None and chosen.name in ebpf.EBPF_BACKENDS else ebpf.EXIT_NO_BACKEND)
+    import psutil
+
+    if not psutil.pid_exists(pid):
+        typer.echo(f"wedgectl: no such process: {pid}", err=True)
+        raise typer.Exit(ebpf.EXIT_GONE)
+    records, failures = ebpf.run_probes(ebpf._expand_tree([pid]), seconds, probes=names, backend=backend)
+    if as_json:
+        typer.echo(json_.dumps({"probes": list(records), "failures": [f.__dict__ | {"kind": f.kind.value} for f in failures]}, indent=2))
+    else:
+        for line in ebpf.render_threads(records):
+            typer.echo(line)
+        for f in failures:
+            typer.echo(f"could not: {f.kind.value}: {f.message}"[:200], err=True)
+    raise typer.Exit(ebpf.EXIT_OK if records else ebpf.EXIT_FAILED)
+# --- end wedgectl probes ------------------------------------------------------
 
 
 def _failure_summary(bundle, most: int = 6) -> list[dict]:
@@ -208,6 +292,14 @@ def _root(
     """Tell apart the ways a vLLM server hangs while looking healthy."""
 
 
+def _one_line(message: str) -> str:
+    """A message's first line, plus its last one where a log tail follows (often the cause)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return message.strip()
+    return f"{lines[0]} ... {lines[-1]}"[:400]
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: domain errors become one line on stderr and their exit code."""
     try:
@@ -216,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except WedgectlError as exc:
-        print(f"wedgectl: {exc}", file=sys.stderr)
+        print(f"wedgectl: {_one_line(str(exc))}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         print("wedgectl: interrupted", file=sys.stderr)

@@ -53,7 +53,8 @@ def render_verdict(verdict: Verdict, width: int = WIDTH, expected: str | None = 
             if vals:
                 yield from textwrap.wrap(vals, width, initial_indent="      ", subsequent_indent="      ")
             for fr in (e.values.get("frames") or [])[:5]:
-                yield textwrap.shorten(str(fr), width - 8, placeholder="...").rjust(0).join(["        ", ""])
+                fr = str(fr)
+                yield "        " + (fr if len(fr) <= width - 8 else fr[: width - 11] + "...")
     if verdict.advice:
         yield ""
         yield "Next"

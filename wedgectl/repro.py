@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -44,9 +46,15 @@ class RequestSpec:
     ignore_eos: bool = False
     count: int = 1
     after_generated: int = 0  # send once vllm:generation_tokens_total reaches this
+    stalled_upload: bool = False  # send the headers and part of the body, then hold the socket
 
-    def body(self) -> dict[str, Any]:
-        prompt: Any = self.prompt if self.prompt is not None else [100 + (i % 50) for i in range(self.prompt_tokens or 1)]
+    def body(self, index: int = 0) -> dict[str, Any]:
+        if self.prompt is not None:
+            prompt: Any = self.prompt
+        else:
+            # Distinct ids per request and per config, so the prefix cache shares no blocks.
+            rng = random.Random(f"{self.prompt_tokens}/{self.max_tokens}/{index}")
+            prompt = [rng.randrange(10, 800) for _ in range(self.prompt_tokens or 1)]
         return {
             "model": "tiny",
             "prompt": prompt,
@@ -143,6 +151,7 @@ class Workload:
         self._clients: list[httpx.Client] = []
         self._lock = threading.Lock()
         self._sent: set[RequestSpec] = set()
+        self._sockets: list[socket.socket] = []
 
     def _client(self) -> httpx.Client:
         c = httpx.Client(timeout=httpx.Timeout(self.hold_s, connect=5.0))
@@ -165,6 +174,19 @@ class Workload:
         with self._lock:
             self.results.append(result)
 
+    def _stalled_upload(self, body: dict[str, Any]) -> None:
+        """A client that announces a body and stops sending it (a stuck upload or proxy).
+        uvicorn counts the request as in progress and, on shutdown, waits for it forever."""
+        host, port = self.base_url.rsplit("//", 1)[1].rsplit(":", 1)
+        data = json.dumps(body).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\n\r\n").encode()
+        sock = socket.create_connection((host, int(port)), timeout=5)
+        sock.sendall(head + data[: len(data) // 2])
+        with self._lock:
+            self._sockets.append(sock)
+            self.results.append({"stalled_upload": True, "sent_bytes": len(data) // 2, "of": len(data)})
+
     def _stream(self, spec: StreamSpec) -> None:
         body = RequestSpec(prompt=spec.prompt, max_tokens=spec.max_tokens).body()
         while not self._stop.is_set():
@@ -175,11 +197,17 @@ class Workload:
         t.start()
         self._threads.append(t)
 
+    def _start(self, spec: RequestSpec) -> None:
+        for i in range(spec.count):
+            if spec.stalled_upload:
+                self._stalled_upload(spec.body(i))
+            else:
+                self._spawn(self._send, spec.body(i))
+
     def start_now(self) -> None:
         for spec in self.cfg.requests:
             if spec.after_generated == 0:
-                for _ in range(spec.count):
-                    self._spawn(self._send, spec.body())
+                self._start(spec)
         if self.cfg.stream is not None:
             for _ in range(self.cfg.stream.concurrency):
                 self._spawn(self._stream, self.cfg.stream)
@@ -190,8 +218,7 @@ class Workload:
         for spec in pending:
             if generated >= spec.after_generated and spec not in self._sent:
                 self._sent.add(spec)
-                for _ in range(spec.count):
-                    self._spawn(self._send, spec.body())
+                self._start(spec)
         return all(s in self._sent for s in pending)
 
     def stop(self, join_s: float = 3.0) -> None:
@@ -201,6 +228,8 @@ class Workload:
         for t in self._threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         with self._lock:
+            for sock in self._sockets:
+                sock.close()
             for c in self._clients:
                 try:
                     c.close()
@@ -369,7 +398,7 @@ def run_repro(
             progress(f"--keep: server left running, pid {server.pid}, {server.url}")
         else:
             workload.stop()
-            elapsed = stop_server(server, grace=10)
+            elapsed = stop_server(server, grace=5)
             notes.append(f"teardown took {elapsed:.1f} s")
     return ReproResult(cfg, verdict, server.pid, server.url, bundle_path, log_path, list(workload.results), symptom_s, notes)
 

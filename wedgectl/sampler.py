@@ -36,6 +36,7 @@ from wedgectl.types import (
 CERTAIN = 0.9
 EXITED_NOTE = "the deployment exited mid-capture"
 LOG_TAIL_BYTES = 4 << 20
+BURST_GAP_S = 0.03
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class SamplerOptions:
     native: bool = False
     ebpf: str = "off"
     scrape_timeout_s: float = 2.0
+    stack_burst: int = 8  # dumps of each engine process at the end of the window
     progress: Callable[[str], None] | None = None
 
 
@@ -66,17 +68,37 @@ def _collect_processes(dep: Deployment) -> tuple[tuple[ProcessSample, ...], list
     return tuple(out), failures
 
 
-def _collect_stacks(procs: tuple[ProcessSample, ...], native: bool) -> tuple[tuple[StackDump, ...], list[CollectorFailure]]:
-    targets = [p.pid for p in procs if p.role != Role.OTHER or "python" in p.name.lower()]
+def _dump_burst(pid: int, native: bool, repeats: int) -> list[StackDump]:
+    """Up to `repeats` good dumps of one pid, BURST_GAP_S apart. A non-blocking read of a busy
+    process sometimes races its interpreter ("Failed to get stack traces"), so a failed dump
+    is retried (2 x repeats attempts at most); failures are kept only if nothing succeeded."""
+    good: list[StackDump] = []
+    failed: list[StackDump] = []
+    for attempt in range(2 * repeats):
+        d = pyspy.dump_stacks(pid, native=native, nonblocking=not native)
+        (good if d.error is None else failed).append(d)
+        if len(good) >= repeats or (d.error is not None and not d.error.startswith(("error", "bad_data"))):
+            break  # done, or a failure that will not go away (permission, missing tool, gone)
+        time.sleep(BURST_GAP_S)
+    return good or failed[-1:]
+
+
+def _collect_stacks(procs: tuple[ProcessSample, ...], native: bool, burst: int = 1) -> tuple[tuple[StackDump, ...], list[CollectorFailure]]:
+    """One dump of every Python process; a burst of `burst` dumps of the EngineCore and Workers
+    (a single snapshot of a loop says little about where it spends its time)."""
+    targets = [p for p in procs if p.role != Role.OTHER or "python" in p.name.lower()]
     if not targets:
         return (), []
+    def run(p: ProcessSample) -> list[StackDump]:
+        n = burst if p.role in (Role.ENGINE_CORE, Role.WORKER) else 1
+        return _dump_burst(p.pid, native, n)
     with ThreadPoolExecutor(max_workers=min(4, len(targets))) as pool:
-        dumps = tuple(pool.map(lambda pid: pyspy.dump_stacks(pid, native=native, nonblocking=not native), targets))
-    failures = [f for d in dumps if (f := pyspy.stack_failure(d)) is not None]
+        dumps = tuple(d for ds in pool.map(run, targets) for d in ds)
+    failures = list({(f.collector, f.target, f.message): f for d in dumps if (f := pyspy.stack_failure(d)) is not None}.values())
     return dumps, failures
 
 
-def take_sample(dep: Deployment, with_stacks: bool, options: SamplerOptions) -> Sample:
+def take_sample(dep: Deployment, with_stacks: bool, options: SamplerOptions, burst: int = 1) -> Sample:
     """One Sample; collectors run side by side so a slow one does not skew the others' clock."""
     t = time.time()
     failures: list[CollectorFailure] = []
@@ -91,7 +113,7 @@ def take_sample(dep: Deployment, with_stacks: bool, options: SamplerOptions) -> 
         failures.append(CollectorFailure("metrics", FailureKind.UNREACHABLE, metrics.error or f"HTTP {metrics.status}", dep.metrics_url or ""))
     stacks: tuple[StackDump, ...] = ()
     if with_stacks and procs:
-        stacks, stack_failures = _collect_stacks(procs, options.native)
+        stacks, stack_failures = _collect_stacks(procs, options.native, burst)
         failures.extend(stack_failures)
     return Sample(
         t=t,
@@ -132,6 +154,39 @@ def capture(pid: int | None = None, url: str | None = None, log_path: str | None
             options: SamplerOptions = SamplerOptions()) -> Bundle:
     """Sample the target over the window and return the bundle (verdict not set)."""
     dep = discover(pid=pid, url=url)
+    # --- eBPF probes (wedgectl/collect/ebpf.py): one bounded run across the whole window,
+    # detached in the finally whatever ends the capture; the results go on the last sample.
+    probe_run = _start_probes(dep, options)
+    try:
+        bundle = _capture(dep, pid, url, log_path, options)
+    finally:
+        probe_records, probe_failures = probe_run.stop() if probe_run is not None else ((), ())
+    return _with_probes(bundle, probe_records, probe_failures)
+
+
+def _start_probes(dep: Deployment, options: SamplerOptions):
+    """options.ebpf "auto"/"on": start the probes on the deployment's pids; None for "off" or no pid."""
+    if options.ebpf == "off" or dep.root_pid is None:
+        return None
+    from wedgectl.collect import ebpf
+
+    run = ebpf.start_probes(dep.pids, options.ebpf, max_s=options.window_s + 10.0)
+    if run is not None and options.progress:
+        options.progress(f"probes: {run.backend.name} ({run.backend.reason})")
+    return run
+
+
+def _with_probes(bundle: Bundle, records: tuple, failures: tuple) -> Bundle:
+    if not bundle.samples or not (records or failures):
+        return bundle
+    last = bundle.samples[-1]
+    last = replace(last, probes=tuple(records), failures=last.failures + tuple(failures))
+    return replace(bundle, samples=(*bundle.samples[:-1], last))
+# --- end eBPF probes
+
+
+def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | None,
+             options: SamplerOptions) -> Bundle:
     say = options.progress or (lambda _msg: None)
     if dep.root_pid is not None:
         say(f"deployment: {', '.join(f'{p} {r.value}' for p, r in dep.roles.items())}; "
@@ -157,7 +212,7 @@ def capture(pid: int | None = None, url: str | None = None, log_path: str | None
         last = elapsed + options.interval_s > options.window_s
         # Stacks on the first and the final sample: enough to see where threads sit, cheap on the target.
         with_stacks = options.stacks and (n == 0 or last)
-        sample = take_sample(dep, with_stacks, options)
+        sample = take_sample(dep, with_stacks, options, burst=options.stack_burst if last else 1)
         samples.append(sample)
         n += 1
         if dep.root_pid is not None and not sample.processes:
@@ -170,8 +225,8 @@ def capture(pid: int | None = None, url: str | None = None, log_path: str | None
         if last:
             break
         if elapsed >= options.min_window_s and verdict.confidence >= CERTAIN:
-            if options.stacks and not sample.stacks:
-                samples.append(take_sample(dep, True, options))
+            if options.stacks:
+                samples.append(take_sample(dep, True, options, burst=options.stack_burst))
             say("verdict certain; stopping early")
             break
         time.sleep(max(0.0, options.interval_s - (time.monotonic() - start - elapsed)))

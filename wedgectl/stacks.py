@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from wedgectl.types import StackDump
@@ -69,6 +70,37 @@ def engine_main_thread(dump: StackDump | None) -> Thread | None:
     return dump.threads[0] if dump.threads else None
 
 
+# A Worker's main thread: running the model, or waiting in its busy loop for the next step.
+WORKER_IN_MODEL = "in model execution"
+WORKER_WAITING = "waiting for a step"
+_WORKER_MODEL_FRAMES = {"execute_model", "sample_tokens", "_model_forward", "forward", "execute_dummy_batch"}
+
+
+def classify_worker_thread(thread: Thread | None) -> str:
+    """Whether a Worker is inside execute_model (a real step, or stuck in one) or idle in its
+    busy loop's dequeue. vLLM 0.32 broadcasts even no-op steps, so one snapshot proves little;
+    the share of snapshots over a burst of dumps is what the classifier reads."""
+    if thread is None:
+        return UNKNOWN
+    names = _names(thread)
+    # _execute_worker_rpc: the busy loop handed the step's RPC (execute_model) to the worker;
+    # whatever runs below it (a kernel, a collective, a lock) is part of the step.
+    if any(n in _WORKER_MODEL_FRAMES for n in names) or "_execute_worker_rpc" in names:
+        return WORKER_IN_MODEL
+    if "worker_busy_loop" in names or "dequeue" in names:
+        return WORKER_WAITING
+    return UNKNOWN
+
+
+def profile(dumps: list[StackDump], where: Callable[[Thread | None], str]) -> dict[str, int]:
+    """How many of a burst of dumps put the main thread in each place."""
+    out: dict[str, int] = {}
+    for d in dumps:
+        key = where(main_thread(d) or engine_main_thread(d))
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
 def classify_engine_thread(thread: Thread | None) -> str:
     """Where an EngineCore main thread is, by the innermost frame that says something."""
     if thread is None:
@@ -101,9 +133,19 @@ def shutdown_frames(dump: StackDump | None) -> list[str]:
     return out
 
 
-def innermost_interesting(dump: StackDump) -> str | None:
-    """The innermost frame of the busiest-looking thread that is not interpreter plumbing."""
+def main_thread(dump: StackDump) -> Thread | None:
+    """The thread that runs the process's loop: vLLM's busy loops, else MainThread."""
+    loops = ("run_busy_loop", "run_engine_core", "worker_busy_loop", "worker_main")
     for t in dump.threads:
+        if any(n in loops for n in _names(t)):
+            return t
+    return next((t for t in dump.threads if t.get("thread_name") == "MainThread"), None)
+
+
+def innermost_interesting(dump: StackDump) -> str | None:
+    """The innermost frame of the main thread (else any thread) that is not interpreter plumbing."""
+    main = main_thread(dump)
+    for t in ([main] if main else []) + [t for t in dump.threads if t is not main]:
         names = frame_names(t)
         if not names:
             continue

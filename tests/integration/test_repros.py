@@ -1,0 +1,105 @@
+"""Every bundled repro, end to end on the real CPU vLLM: the verdict, and the evidence behind it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wedgectl.bundle import read_bundle
+from wedgectl.classify import classify
+from wedgectl.types import Role
+
+pytestmark = pytest.mark.integration
+
+
+def repro(name: str, out: Path, *extra: str) -> tuple[int, dict]:
+    r = subprocess.run(
+        [sys.executable, "-m", "wedgectl", "repro", name, "--json", "--out", str(out), *extra],
+        capture_output=True, text=True, timeout=400,
+    )
+    assert r.stdout.strip(), r.stderr[-3000:]
+    return r.returncode, json.loads(r.stdout)
+
+
+def evidence_text(out: dict) -> str:
+    return " | ".join(e["what"] for e in out["evidence"])
+
+
+def test_list_names_every_config():
+    r = subprocess.run([sys.executable, "-m", "wedgectl", "repro", "--list"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0
+    names = {line.split()[0] for line in r.stdout.splitlines() if line.strip()}
+    assert names == {"admission-wedge", "engine-deadlock", "shutdown-hang", "starved", "healthy", "idle"}
+
+
+def test_unknown_repro_is_a_usage_error():
+    r = subprocess.run([sys.executable, "-m", "wedgectl", "repro", "no-such"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no repro named" in r.stderr
+
+
+def test_admission_wedge(vllm_python, tmp_path):
+    rc, out = repro("admission-wedge", tmp_path)
+    assert (out["verdict"], out["expected"], rc) == ("admission_wedge", "admission_wedge", 0), evidence_text(out)
+    facts = out["facts"]
+    assert facts["waiting"] >= 1 and facts["waiting_capacity"] >= 1  # waiting by reason capacity
+    assert facts["kv_usage_pct"] == 0  # an empty pool, and still not admitted
+    assert facts["frozen_s"] >= 2  # the generation counter does not move
+    assert facts["engine_cores"] >= 0.5  # the engine spins
+    # No model execution: the Workers sit in their busy loop's dequeue, not in execute_model.
+    assert facts["worker_model_share"] is not None and facts["worker_model_share"] < 0.5
+    assert "frozen at" in evidence_text(out)
+    # 6 + 110 tokens against a pool of 96: the request stopped in the last block.
+    b = read_bundle(out["bundle"])
+    assert classify(b).verdict.value == "admission_wedge"
+    assert any("reduced from" in line and "to 128" in line for line in b.log_lines)  # the advertised overhang
+    assert isinstance(out["pid"], int) and out["url"].startswith("http://127.0.0.1:")
+
+
+def test_engine_deadlock(vllm_python, tmp_path):
+    rc, out = repro("engine-deadlock", tmp_path)
+    assert (out["verdict"], rc) == ("engine_deadlock", 0), evidence_text(out)
+    facts = out["facts"]
+    assert facts["running"] >= 1 and facts["frozen_s"] >= 2
+    assert facts["engine_cores"] <= 0.2  # parked, not spinning
+    assert facts["worker_model_share"] >= 0.9  # every Worker sample inside execute_model
+    text = evidence_text(out)
+    assert "EngineCore main thread: in model execution" in text
+    assert "still listening" in text  # the API process keeps answering /metrics
+
+
+def test_shutdown_hang(vllm_python, tmp_path):
+    rc, out = repro("shutdown-hang", tmp_path)
+    assert (out["verdict"], rc) == ("shutdown_hang", 0), evidence_text(out)
+    text = evidence_text(out)
+    assert "no listening socket" in text  # listener closed
+    assert "alive" in text  # process alive
+    assert "parked in futex waits" in text  # where its threads wait
+    assert "Waiting for connections to close" in text
+    b = read_bundle(out["bundle"])
+    api = [p for s in b.samples for p in s.processes if p.role is Role.API_SERVER]
+    assert api and all(not p.listening for p in api)
+    assert any(t.futex_addr for t in api[-1].threads)
+
+
+def test_starved(vllm_python, tmp_path):
+    rc, out = repro("starved", tmp_path)
+    assert (out["verdict"], rc) == ("starved", 0), evidence_text(out)
+    facts = out["facts"]
+    assert facts["tokens_per_s"] > 0 and facts["waiting"] >= 1
+    assert facts["kv_growth_pct_per_min"] > 0 and facts["seconds_to_kv_full"] > 0
+
+
+def test_healthy_control(vllm_python, tmp_path):
+    rc, out = repro("healthy", tmp_path)
+    assert (out["verdict"], rc) == ("progressing", 0), evidence_text(out)
+    assert out["facts"]["tokens_per_s"] > 10
+    assert all(r.get("status") == 200 for r in out["client"] if "status" in r)
+
+
+def test_idle_control(vllm_python, tmp_path):
+    rc, out = repro("idle", tmp_path)
+    assert (out["verdict"], rc) == ("idle", 0), evidence_text(out)

@@ -1,0 +1,114 @@
+"""The live rules on evidence recorded from real repros (tests/fixtures/bundles/record.py).
+
+Each bundle is what `wedgectl repro NAME` captured from a real vLLM 0.32 server on CPU:
+metrics text, /proc thread states, py-spy dumps, the log. These pin the classifier's
+answers to real data, and show which piece of evidence each rule leans on by taking it away.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from wedgectl.bundle import read_bundle
+from wedgectl.classify import View, classify
+from wedgectl.sources import bundle_from_log
+from wedgectl.types import Role, VerdictKind
+
+BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
+
+EXPECTED = {
+    "idle": VerdictKind.IDLE,
+    "healthy": VerdictKind.PROGRESSING,
+    "admission-wedge": VerdictKind.ADMISSION_WEDGE,
+    "engine-deadlock": VerdictKind.ENGINE_DEADLOCK,
+    "shutdown-hang": VerdictKind.SHUTDOWN_HANG,
+    "starved": VerdictKind.STARVED,
+}
+
+
+def load(name: str):
+    return read_bundle(BUNDLES / f"{name}.tar.gz")
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_recorded_bundle_gives_the_expected_verdict(name):
+    b = load(name)
+    v = classify(b)
+    assert v.verdict is EXPECTED[name], v.summary
+    assert b.verdict is not None and b.verdict.verdict is v.verdict  # same answer as at capture
+
+
+def test_wedge_evidence():
+    v = classify(load("admission-wedge"))
+    f = v.facts
+    assert f["waiting"] == 1 and f["waiting_capacity"] == 1 and f["kv_usage_pct"] == 0
+    assert f["engine_cores"] > 0.5
+    assert f["worker_model_share"] == 0  # the Worker never ran the model in the burst
+    assert v.confidence >= 0.85
+
+
+def test_wedge_without_process_evidence_is_less_certain():
+    # Metrics alone cannot tell a wedge from a blocked engine: drop /proc and stacks.
+    b = load("admission-wedge")
+    bare = replace(b, samples=tuple(replace(s, processes=(), stacks=()) for s in b.samples))
+    v = classify(bare)
+    assert v.verdict is VerdictKind.ADMISSION_WEDGE
+    assert v.confidence < classify(b).confidence
+    assert any("metrics-only" in e.what for e in v.evidence)
+
+
+def test_deadlock_evidence():
+    v = classify(load("engine-deadlock"))
+    f = v.facts
+    assert f["running"] >= 1 and f["engine_cores"] < 0.2
+    assert f["worker_model_share"] == 1.0
+    assert any("execute_model_then_stall" in e.what for e in v.evidence)
+
+
+def test_deadlock_is_not_a_wedge_because_the_engine_sleeps():
+    # The same frozen gauges with a spinning engine would be read as stepping, not blocked.
+    b = load("engine-deadlock")
+    view = View(b)
+    assert view.engine_cores is not None and view.engine_cores < 0.2
+    assert classify(b).rule == "live_engine_deadlock"
+
+
+def test_shutdown_hang_evidence():
+    b = load("shutdown-hang")
+    v = classify(b)
+    api = View(b).last_of_role(Role.API_SERVER)
+    assert api is not None and not api.listening and api.connections >= 1
+    assert v.facts["shutdown_age_s"] > 0
+    assert any("Waiting for connections" in e.what for e in v.evidence)
+
+
+def test_shutdown_hang_needs_the_process_alive():
+    # If the API server is gone by the last sample, it finished exiting: not a hang.
+    b = load("shutdown-hang")
+    gone = replace(b, samples=b.samples + (replace(b.samples[-1], t=b.samples[-1].t + 1, processes=(), stacks=()),))
+    assert classify(gone).verdict is not VerdictKind.SHUTDOWN_HANG
+
+
+def test_starved_evidence():
+    v = classify(load("starved"))
+    f = v.facts
+    assert f["waiting"] == 3 and f["running"] == 1
+    assert f["tokens_per_s"] > 0 and f["kv_growth_pct_per_min"] > 0
+
+
+def test_healthy_is_not_starved_or_stuck():
+    v = classify(load("healthy"))
+    assert v.facts["tokens_per_s"] > 10
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("admission-wedge", VerdictKind.ADMISSION_WEDGE),
+    ("engine-deadlock", VerdictKind.ENGINE_DEADLOCK),
+])
+def test_recorded_server_logs_alone(name, expected):
+    # The server's own log, 40 s into the hang: the stats lines have stopped.
+    v = classify(bundle_from_log(BUNDLES / f"{name}.log"))
+    assert v.verdict is expected, v.summary
