@@ -44,12 +44,6 @@ def test_seed003_shutdown_without_finish_is_shutdown_hang():
     assert any("signal 15" in e.what for e in v.evidence)
 
 
-def test_wedge_log_is_admission_wedge():
-    v = verdict_of("wedge_hand.log")
-    assert v.verdict is VerdictKind.ADMISSION_WEDGE
-    assert v.rule == "log_admission_wedge"
-
-
 def test_engine_dead_log():
     v = verdict_of("engine_dead_hand.log")
     assert v.verdict is VerdictKind.ENGINE_DEAD

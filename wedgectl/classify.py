@@ -935,7 +935,10 @@ def log_admission_wedge(v: View) -> Verdict | None:
         f"{s.waiting} request(s) waiting, none running, no tokens: the scheduler never admits them"
         + (f" (~{fmt_duration(silence)})." if silence is not None else "."),
         "log_admission_wedge",
-        (_stats_evidence(s, f"the last stats line: 0 running, {s.waiting} waiting, KV {s.kv_usage_pct:.1f}%"),),
+        (_stats_evidence(s, f"the last stats line: 0 running, {s.waiting} waiting, KV {s.kv_usage_pct:.1f}%"),
+         Evidence("log", f"no stats line since, while {v.scrapes_after_last_stats} GET /metrics were answered 200"
+                  + (f" (~{fmt_duration(silence)})" if silence is not None else ""),
+                  values={"scrapes_after": v.scrapes_after_last_stats, "silent_s": silence})),
         ("Confirm live: `wedgectl diagnose --pid PID` (EngineCore spinning, waiting by reason capacity).",
          "Size the KV pool above max_model_len, or run the patched engine, which fails such requests at once."),
         {"engine_silent_s": silence},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import textwrap
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -36,7 +37,9 @@ def _emit(verdict, as_json: bool, expected: str | None = None, **extra) -> None:
         for line in render_verdict(verdict, expected=expected):
             typer.echo(line)
         for f in extra.get("collector_failures") or ():
-            typer.echo(f"could not read: {f['collector']} {f['kind']}: {f['message']}"[:200])
+            for line in textwrap.wrap(f"could not read: {f['collector']} {f['kind']}: {f['message']}"[:300], 80,
+                                      subsequent_indent="    "):
+                typer.echo(line)
         for key, value in extra.items():
             if value is not None and key in ("bundle", "log", "pid", "url"):
                 typer.echo(f"{key}: {value}")
@@ -137,7 +140,9 @@ def repro(
 
     if list_ or name is None:
         for cfg in list_configs():
-            typer.echo(f"{cfg.name:<16} expect {cfg.expected:<16} {cfg.description}")
+            typer.echo(f"{cfg.name:<16} expect {cfg.expected}")
+            for line in textwrap.wrap(cfg.description, 76, initial_indent="    ", subsequent_indent="    "):
+                typer.echo(line)
         raise typer.Exit(0 if list_ else exitcodes.USAGE)
     cfg = find_config(name)
     say = (lambda _m: None) if quiet else _progress

@@ -32,7 +32,8 @@ def evidence_text(out: dict) -> str:
 def test_list_names_every_config():
     r = subprocess.run([sys.executable, "-m", "wedgectl", "repro", "--list"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0
-    names = {line.split()[0] for line in r.stdout.splitlines() if line.strip()}
+    names = {line.split()[0] for line in r.stdout.splitlines() if line.strip() and not line.startswith(" ")}
+    assert max(len(line) for line in r.stdout.splitlines()) <= 80
     assert names == {"admission-wedge", "engine-deadlock", "shutdown-hang", "starved", "healthy", "idle"}
 
 
