@@ -293,32 +293,16 @@ class View:
 
     @cached_property
     def scrape_period_s(self) -> float | None:
-        """Seconds between /metrics scrapes, from those that fall between timed stats lines."""
-        if not self.log or len(self.stats) < 2:
+        """Seconds between /metrics scrapes, from those between the longest run of stats lines
+        10 s apart (a gap in the run means the clock of scrapes there is unknown)."""
+        if not self.log:
             return None
-        first, last = self.stats[0], self.stats[-1]
-        if first.t is None or last.t is None or last.t <= first.t:
+        run = _longest_contiguous_run(self.stats)
+        if run is None:
             return None
-        n = sum(
-            1
-            for a in self.log.access
-            if first.lineno < a.lineno < last.lineno and a.path.startswith("/metrics")
-        )
-        # Only a run of stats lines with no gap longer than one interval is a clean clock.
-        gaps = [b.t - a.t for a, b in zip(self.stats, self.stats[1:]) if a.t is not None and b.t is not None]
-        if n == 0 or not gaps or max(gaps) > 3 * STATS_INTERVAL_S:
-            contiguous = _longest_contiguous_run(self.stats)
-            if contiguous is None:
-                return None
-            first, last = contiguous
-            n = sum(
-                1
-                for a in self.log.access
-                if first.lineno < a.lineno < last.lineno and a.path.startswith("/metrics")
-            )
-            if n == 0 or last.t is None or first.t is None:
-                return None
-        return (last.t - first.t) / n
+        first, last = run
+        n = sum(1 for a in self.log.access if first.lineno < a.lineno < last.lineno and a.path.startswith("/metrics"))
+        return (last.t - first.t) / n if n else None
 
     @cached_property
     def log_silence_s(self) -> float | None:
