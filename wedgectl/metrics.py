@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -100,7 +101,15 @@ class MetricsSnapshot:
 
 
 def parse_metrics(text: str) -> MetricsSnapshot:
-    """Parse exposition text; raise MetricsParseError when it is not Prometheus text."""
+    """Parse exposition text; raise MetricsParseError when it is not Prometheus text.
+
+    Cached by text: the classifier re-reads every scrape of its window on each call (a live
+    sampler or `top` classifies after every sample), and a snapshot is never mutated."""
+    return _parse_cached(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_cached(text: str) -> MetricsSnapshot:
     if not text.strip():
         raise MetricsParseError("empty metrics page")
     if "\x00" in text or text.lstrip().startswith("<"):

@@ -240,7 +240,8 @@ class Workload:
 # ------------------------------------------------------------------ symptom
 
 
-def _scrape(client: httpx.Client, url: str) -> MetricsSnapshot | None:
+def scrape_snapshot(client: httpx.Client, url: str) -> MetricsSnapshot | None:
+    """One /metrics scrape, parsed; None when it fails."""
     try:
         r = client.get(f"{url}/metrics")
         return parse_metrics(r.text) if r.status_code == 200 else None
@@ -270,6 +271,9 @@ def symptom_reached(until: str, history: list[tuple[float, MetricsSnapshot]], se
     if until == "idle":
         return span_ok and running == 0 and waiting == 0
     raise ReproError(f"unknown symptom {until!r}")
+
+
+_scrape = scrape_snapshot  # the name wedgectl.patched imports
 
 
 # ------------------------------------------------------------------ the run
@@ -357,20 +361,28 @@ def run_repro(
     progress(f"server pid {server.pid} healthy at {server.url} after {time.monotonic() - t0:.0f} s")
     notes: list[str] = []
     workload = Workload(server.url, cfg)
+    holder: subprocess.Popen | None = None
     verdict: Verdict | None = None
     bundle_path: Path | None = None
     symptom_s: float | None = None
     try:
-        workload.start_now()
+        if keep:
+            # The clients must outlive wedgectl, or vLLM aborts their requests and the hang is gone.
+            holder = subprocess.Popen(
+                [sys.executable, "-m", "wedgectl._hold", server.url, str(server.pid), str(cfg.path), str(out_dir / "client.json")],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            )
+        else:
+            workload.start_now()
         history: list[tuple[float, MetricsSnapshot]] = []
         start = time.monotonic()
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() - start < cfg.timeout_s:
-                snap = _scrape(client, server.url)
+                snap = scrape_snapshot(client, server.url)
                 if snap is not None:
                     history.append((time.monotonic(), snap))
-                    workload.start_later(snap.generation_tokens or 0)
-                    if symptom_reached(cfg.until, history, cfg.settle_s) and workload.start_later(snap.generation_tokens or 0):
+                    all_sent = keep or workload.start_later(snap.generation_tokens or 0)
+                    if symptom_reached(cfg.until, history, cfg.settle_s) and all_sent:
                         symptom_s = time.monotonic() - start
                         break
                 time.sleep(0.5)
@@ -389,18 +401,26 @@ def run_repro(
         verdict = classify(bundle)
         bundle = replace(bundle, verdict=verdict)
         bundle_path = write_bundle(bundle, out_dir / "bundle.tar.gz")
-        (out_dir / "client.json").write_text(json.dumps(workload.results, indent=2))
+        if not keep:
+            (out_dir / "client.json").write_text(json.dumps(workload.results, indent=2))
     finally:
         if keep:
             from wedgectl.runtime import launcher
 
             launcher.detach(server)
-            progress(f"--keep: server left running, pid {server.pid}, {server.url}")
+            progress(f"--keep: server left running, pid {server.pid}, {server.url}; its clients: pid "
+                     f"{holder.pid if holder else '?'} (they hold the requests open for up to 1 h)")
         else:
             workload.stop()
             elapsed = stop_server(server, grace=5)
             notes.append(f"teardown took {elapsed:.1f} s")
-    return ReproResult(cfg, verdict, server.pid, server.url, bundle_path, log_path, list(workload.results), symptom_s, notes)
+    results = list(workload.results)
+    if keep and (out_dir / "client.json").exists():
+        try:
+            results = json.loads((out_dir / "client.json").read_text())
+        except (OSError, ValueError):
+            pass
+    return ReproResult(cfg, verdict, server.pid, server.url, bundle_path, log_path, results, symptom_s, notes)
 
 
 def repro_main_text(result: ReproResult) -> list[str]:

@@ -1,0 +1,136 @@
+"""wedgectl top against a real wedged vLLM server, in a real terminal (tmux), read back with capture-pane."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from wedgectl.bundle import read_bundle
+from wedgectl.repro import find_config, run_repro
+from wedgectl.types import VerdictKind
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux"),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def wedged_server(vllm_python, tmp_path_factory):
+    """A real admission wedge, kept hung: (pid, url).
+
+    run_repro(keep=True) is called in this process on purpose: the workload's client threads
+    live here and hold the never-admitted request open. `wedgectl repro admission-wedge --keep`
+    in a subprocess does not keep the wedge: its client exits with it, vLLM aborts the request
+    and the server turns idle.
+    """
+    out = tmp_path_factory.mktemp("repro")
+    result = run_repro(find_config("admission-wedge"), python=str(vllm_python), out_dir=out, keep=True)
+    try:
+        assert result.symptom_s is not None, f"the wedge did not happen: {result.notes}"
+        yield result.pid, result.url
+    finally:
+        # The server was started with start_new_session: its process group is its pid, and the
+        # EngineCore, Worker and resource tracker are in it.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(result.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(result.pid, 0)  # launched from this process: reap it
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _group_alive(result.pid):
+            time.sleep(0.2)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+class Tmux:
+    """A 120x40 terminal: a detached session on a private tmux socket, running one command."""
+
+    SOCKET = f"wedgectl-test-{os.getpid()}"
+
+    def __init__(self, name: str, command: str) -> None:
+        self.name = name
+        self.tmux("new-session", "-d", "-s", name, "-x", "120", "-y", "40")
+        self.tmux("set-option", "-t", name, "window-size", "manual")
+        # The command is typed into the session's shell only once the terminal has its size:
+        # an app started while tmux still resizes a new pane can keep 80x24.
+        deadline = time.monotonic() + 10
+        while self.tmux("display", "-p", "-t", name, "#{window_width}x#{window_height}").strip() != "120x40":
+            if time.monotonic() > deadline:
+                raise AssertionError("tmux did not size the window 120x40")
+            time.sleep(0.1)
+        # Textual draws on stderr: leave it to the terminal.
+        self.keys(f"cd {REPO} && {command}; echo TOP-EXITED $?", "Enter")
+
+    def tmux(self, *args: str) -> str:
+        return subprocess.run(["tmux", "-L", self.SOCKET, *args], capture_output=True, text=True, check=True).stdout
+
+    def screen(self) -> str:
+        return self.tmux("capture-pane", "-p", "-t", self.name)
+
+    def keys(self, *keys: str) -> None:
+        self.tmux("send-keys", "-t", self.name, *keys)
+
+    def wait_for(self, text: str, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        screen = ""
+        while time.monotonic() < deadline:
+            screen = self.screen()
+            if text in screen:
+                return screen
+            time.sleep(0.5)
+        raise AssertionError(f"{text!r} not on screen after {timeout:.0f} s; the screen:\n{screen}")
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "-L", self.SOCKET, "kill-session", "-t", self.name], capture_output=True)
+
+
+def test_top_shows_the_wedge_verdict_on_a_real_terminal(wedged_server, tmp_path):
+    pid, url = wedged_server
+    term = Tmux(f"wedgectl-top-{os.getpid()}", f"{sys.executable} -m wedgectl top --pid {pid} --save-dir {tmp_path}")
+    try:
+        screen = term.wait_for("VERDICT  admission_wedge", timeout=60)
+        print(screen)  # the README's screen comes from here (pytest -s)
+        assert f"pid {pid} {url}" in screen
+        assert "1 request(s) waiting that the scheduler never admits" in screen
+        assert "engine_core" in screen and "worker" in screen and "api_server" in screen
+        assert "threads of pid" in screen and "WCHAN" in screen and "SYSCALL" in screen
+        assert "UNREACHABLE" not in screen
+        term.keys("s")
+        term.wait_for("saved ", timeout=30)
+        saved = list(tmp_path.glob("wedgectl-top-*.tar.gz"))
+        assert len(saved) == 1
+        assert read_bundle(saved[0]).verdict.verdict == VerdictKind.ADMISSION_WEDGE
+        term.keys("q")
+        term.wait_for("TOP-EXITED 0", timeout=15)
+    finally:
+        term.close()
+
+
+def test_top_with_no_target_lists_the_server(wedged_server):
+    pid, url = wedged_server
+    term = Tmux(f"wedgectl-pick-{os.getpid()}", f"{sys.executable} -m wedgectl top")
+    try:
+        screen = term.wait_for("server(s) found", timeout=30)
+        row = next((line for line in screen.splitlines() if f" {pid} " in line), None)
+        assert row is not None and url in row, screen
+        term.keys("q")
+        term.wait_for("TOP-EXITED 0", timeout=15)
+    finally:
+        term.close()

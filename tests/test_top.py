@@ -1,0 +1,364 @@
+"""wedgectl top driven with Textual's Pilot: recorded bundles, and scripted live sources (slow, dead, swappable)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from wedgectl import exitcodes
+from wedgectl.bundle import read_bundle
+from wedgectl.classify import classify
+from wedgectl.discover import Deployment
+from wedgectl.tui import app as top_app
+from wedgectl.tui.app import ConfirmSwap, HelpScreen, PickerScreen, make_app
+from wedgectl.tui.source import BundleSource, LiveSource, ServerInfo
+from wedgectl.tui.widgets import EvidenceView, ProcessTable, StackView, StatusLine, ThreadTable, VerdictBanner
+from wedgectl.types import MetricsScrape, Role, Sample
+
+BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
+WEDGE = BUNDLES / "admission-wedge.tar.gz"
+SIZE = (120, 40)
+
+
+async def until(pilot, cond, timeout: float = 10.0) -> None:
+    """Let the app run until cond() holds (workers post their frames asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await pilot.pause(0.05)
+
+
+def text_of(widget) -> str:
+    return str(widget.content)
+
+
+def cells(table, row: int) -> list[str]:
+    return [str(c) for c in table.get_row_at(row)]
+
+
+def notes_of(app) -> list[str]:
+    return [n.message for n in app._notifications]
+
+
+# ------------------------------------------------------------- recorded bundles
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("name", ["admission-wedge", "engine-deadlock", "healthy", "idle", "starved"])
+async def test_the_banner_shows_the_verdict_diagnose_gives(name):
+    b = read_bundle(BUNDLES / f"{name}.tar.gz")
+    expected = classify(b)
+    app = make_app(BundleSource(b, BUNDLES / f"{name}.tar.gz"))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.frame is not None)
+        await pilot.pause()
+        banner = text_of(app.query_one(VerdictBanner))
+        assert banner.startswith(f"VERDICT  {expected.verdict.value}  (confidence {expected.confidence:.2f})")
+        assert expected.summary in banner
+        assert f"sample {len(b.samples)}/{len(b.samples)}" in text_of(app.query_one(StatusLine))
+        assert expected.evidence[0].what in text_of(app.query_one(EvidenceView))
+
+
+@pytest.mark.asyncio
+async def test_tables_show_the_deployment_and_the_engine_threads():
+    b = read_bundle(WEDGE)
+    last = b.samples[-1]
+    engine = next(p for p in last.processes if p.role == Role.ENGINE_CORE)
+    app = make_app(BundleSource(b, WEDGE))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.frame is not None)
+        await pilot.pause()
+        procs = app.query_one(ProcessTable)
+        rows = [cells(procs, i) for i in range(procs.row_count)]
+        assert {(r[0], r[1]) for r in rows} == {(str(p.pid), p.role.value) for p in last.processes}
+        assert rows[0][1] == "api_server"  # API server first, then engine, workers, helpers
+        # The engine is selected first; its thread table lists its threads with their wait state.
+        assert app.selected_pid == engine.pid
+        threads = app.query_one(ThreadTable)
+        assert threads.row_count == len(engine.threads)
+        assert threads.border_title == f"threads of pid {engine.pid}"
+        by_tid = {cells(threads, i)[0]: cells(threads, i) for i in range(threads.row_count)}
+        for t in engine.threads:
+            row = by_tid[str(t.tid)]
+            assert row[2] == t.state
+            if t.futex_addr is not None:
+                assert row[5] == "futex" and row[6] == f"{t.futex_addr:#x}"
+        # The selected thread is the engine's busy loop, and its stack is shown.
+        stack = text_of(app.query_one(StackView))
+        assert f"thread {app.selected_tid} 'MainThread'" in stack
+        assert "run_busy_loop" in stack
+
+
+@pytest.mark.asyncio
+async def test_threads_sharing_a_futex_are_highlighted_in_the_worker():
+    b = read_bundle(WEDGE)
+    worker = next(p for p in b.samples[-1].processes if p.role == Role.WORKER)
+    app = make_app(BundleSource(b, WEDGE))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.frame is not None)
+        app.query_one(ProcessTable).focus()
+        await pilot.press("down")  # api_server, engine_core, worker: the cursor starts on the engine
+        await until(pilot, lambda: app.selected_pid == worker.pid)
+        table = app.query_one(ThreadTable)
+        await until(pilot, lambda: table.row_count == len(worker.threads))
+        shared = [t for t in worker.threads if t.futex_addr is not None
+                  and sum(1 for o in worker.threads if o.futex_addr == t.futex_addr) > 1]
+        assert shared, "the recorded worker has gloo threads pairing on futexes"
+        for i in range(table.row_count):
+            row = table.get_row_at(i)
+            tid = int(str(row[0]))
+            if any(t.tid == tid for t in shared):
+                assert str(row[7]).startswith("x") and row[0].style.startswith("bold ")
+            else:
+                assert str(row[7]) == "" and not row[0].style
+
+
+@pytest.mark.asyncio
+async def test_selecting_a_thread_shows_its_stack():
+    b = read_bundle(WEDGE)
+    app = make_app(BundleSource(b, WEDGE))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.frame is not None)
+        app.query_one(ThreadTable).focus()
+        first = app.selected_tid
+        await pilot.press("down")
+        await until(pilot, lambda: app.selected_tid != first)
+        assert f"thread {app.selected_tid}" in text_of(app.query_one(StackView))
+
+
+@pytest.mark.asyncio
+async def test_replay_steps_back_and_forward_through_the_samples():
+    b = read_bundle(WEDGE)
+    n = len(b.samples)
+    app = make_app(BundleSource(b, WEDGE))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.frame is not None and app.frame.n_samples == n)
+        await pilot.press("left_square_bracket")
+        await until(pilot, lambda: app.frame.n_samples == n - 1)
+        assert f"sample {n - 1}/{n}" in text_of(app.query_one(StatusLine))
+        await pilot.press("right_square_bracket")
+        await until(pilot, lambda: app.frame.n_samples == n)
+
+
+@pytest.mark.asyncio
+async def test_s_saves_a_bundle_that_classifies_the_same(tmp_path):
+    b = read_bundle(WEDGE)
+    app = make_app(BundleSource(b, WEDGE), save_dir=tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.frame is not None)
+        await pilot.press("s")
+        await until(pilot, lambda: list(tmp_path.glob("wedgectl-top-*.tar.gz")))
+        await until(pilot, lambda: any(m.startswith("saved ") for m in notes_of(app)))
+    saved = read_bundle(next(tmp_path.glob("wedgectl-top-*.tar.gz")))
+    assert len(saved.samples) == len(b.samples)
+    assert saved.verdict is not None and saved.verdict.verdict == classify(b).verdict
+
+
+@pytest.mark.asyncio
+async def test_live_only_keys_say_so_in_a_replay():
+    app = make_app(BundleSource.load(WEDGE))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.frame is not None)
+        await pilot.press("d")
+        await pilot.press("w")
+        await pilot.pause()
+        assert any("no live target to dump" in m for m in notes_of(app))
+        assert any("no live target to swap" in m for m in notes_of(app))
+
+
+@pytest.mark.asyncio
+async def test_help_opens_and_closes_and_q_quits():
+    app = make_app(BundleSource.load(WEDGE))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.frame is not None)
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        assert "save an evidence bundle" in str(app.screen.query_one("#help").content)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+        await pilot.press("q")
+        await pilot.pause()
+    assert app.return_code == 0
+
+
+# ------------------------------------------------------------ scripted live sources
+
+
+class ScriptedSource(LiveSource):
+    """A 'live' target that plays a recorded bundle's samples one per refresh, re-timed to now."""
+
+    def __init__(self, bundle, block: threading.Event | None = None, metrics_down_after: int | None = None):
+        t = bundle.manifest.target
+        dep = Deployment(t.pid, t.pid, {p: Role.OTHER for p in t.pids}, t.url, f"{t.url}/metrics")
+        super().__init__(dep, t.pid, None)
+        self.samples = bundle.samples
+        self.block = block
+        self.metrics_down_after = metrics_down_after
+        self.calls: list[tuple[bool, bool]] = []
+
+    def take(self, with_stacks: bool, native: bool = False) -> Sample:
+        self.calls.append((with_stacks, native))
+        if self.block is not None:
+            self.block.wait(30)  # a target whose every read hangs
+        n = len(self.calls) - 1
+        last = len(self.samples) - 1
+        s = self.samples[min(n, last)]
+        # The recorded spacing is kept (the rules read how long counters stayed frozen); past the
+        # end, the last sample repeats a second apart: a target that stays as it was.
+        if n == 0:
+            self.shift = time.time() - s.t
+        shift = self.shift + max(0, n - last) * 1.0
+        metrics = s.metrics
+        if self.metrics_down_after is not None and n >= self.metrics_down_after:
+            metrics = MetricsScrape(t=time.time(), url=self.deployment.metrics_url, error="unreachable: connection refused")
+        elif metrics is not None:
+            metrics = type(metrics)(**{**metrics.__dict__, "t": metrics.t + shift})
+        return Sample(t=s.t + shift, metrics=metrics, processes=s.processes,
+                      stacks=tuple(type(d)(**{**d.__dict__, "t": d.t + shift}) for d in s.stacks) if with_stacks else ())
+
+    def log_tail(self, max_bytes: int) -> tuple[str, ...]:
+        return ()
+
+
+@pytest.mark.asyncio
+async def test_live_view_refreshes_and_the_verdict_arrives():
+    src = ScriptedSource(read_bundle(WEDGE))
+    app = make_app(src, refresh_s=0.2)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.frame is not None and app.frame.n_samples >= 6)
+        assert text_of(app.query_one(VerdictBanner)).startswith("VERDICT  admission_wedge")
+        status = text_of(app.query_one(StatusLine))
+        assert "refresh 0.2 s, stacks every 5" in status and "UNREACHABLE" not in status
+        # stacks on the first refresh and every 5th after
+        assert [w for w, _ in src.calls[:6]] == [True, False, False, False, False, True]
+
+
+@pytest.mark.asyncio
+async def test_d_and_shift_d_take_stacks_at_once_native_on_request():
+    src = ScriptedSource(read_bundle(WEDGE))
+    app = make_app(src, refresh_s=30)  # no timer tick during the test: only the keys collect
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: len(src.calls) == 1 and not app.collector.busy)
+        await pilot.press("d")
+        await until(pilot, lambda: len(src.calls) == 2)
+        await pilot.press("D")
+        await until(pilot, lambda: len(src.calls) == 3)
+        assert src.calls[1:] == [(True, False), (True, True)]
+
+
+@pytest.mark.asyncio
+async def test_a_target_whose_metrics_die_is_shown_unreachable_and_top_keeps_going():
+    src = ScriptedSource(read_bundle(WEDGE), metrics_down_after=2)
+    app = make_app(src, refresh_s=0.2)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.frame is not None and not app.frame.reachable)
+        status = app.query_one(StatusLine)
+        assert "| UNREACHABLE: /metrics: unreachable: connection refused |" in text_of(status)
+        assert status.has_class("-unreachable")
+        n = app.frame.n_samples
+        await until(pilot, lambda: app.frame.n_samples > n + 2)  # still sampling
+
+
+@pytest.mark.asyncio
+async def test_a_hung_target_never_freezes_the_screen():
+    block = threading.Event()
+    src = ScriptedSource(read_bundle(WEDGE), block=block)
+    app = make_app(src, refresh_s=0.5)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: "UNREACHABLE" in text_of(app.query_one(StatusLine)), timeout=8)
+            assert "has not answered for" in text_of(app.query_one(StatusLine))
+            assert len(src.calls) == 1  # ticks do not pile up behind the hung one
+            await pilot.press("question_mark")  # the UI still answers keys
+            assert isinstance(app.screen, HelpScreen)
+            await pilot.press("escape")
+            block.set()  # the target answers again
+            await until(pilot, lambda: app.frame is not None and app.frame.reachable)
+            assert "UNREACHABLE" not in text_of(app.query_one(StatusLine))
+    finally:
+        block.set()
+
+
+@pytest.mark.asyncio
+async def test_swap_says_when_this_build_has_no_swap(monkeypatch):
+    monkeypatch.setattr(top_app, "swap_available", lambda: False)
+    app = make_app(ScriptedSource(read_bundle(WEDGE)), refresh_s=30)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.frame is not None)
+        await pilot.press("w")
+        await pilot.pause()
+        assert "swap not available in this build" in notes_of(app)
+        assert not isinstance(app.screen, ConfirmSwap)
+
+
+@pytest.mark.asyncio
+async def test_swap_asks_first_then_calls_swap_deployment(monkeypatch):
+    called = []
+    fake = types.ModuleType("wedgectl.swap")
+    fake.swap_deployment = lambda pid, progress=None: called.append(pid) or types.SimpleNamespace(ok=True, message="", new_pid=None)
+    monkeypatch.setitem(sys.modules, "wedgectl.swap", fake)
+    monkeypatch.setattr(top_app, "swap_available", lambda: True)
+    src = ScriptedSource(read_bundle(WEDGE))
+    app = make_app(src, refresh_s=30)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.frame is not None)
+        await pilot.press("w")
+        assert isinstance(app.screen, ConfirmSwap)
+        await pilot.press("n")
+        assert not isinstance(app.screen, ConfirmSwap) and called == []
+        await pilot.press("w", "y")
+        await until(pilot, lambda: called == [src.deployment.api_pid])
+        await until(pilot, lambda: any("swapped to the patched engine" in m for m in notes_of(app)))
+
+
+@pytest.mark.asyncio
+async def test_with_no_target_the_picker_lists_servers_and_watches_the_chosen_one(monkeypatch):
+    b = read_bundle(WEDGE)
+    pid = b.manifest.target.pid
+    monkeypatch.setattr(top_app, "find_servers", lambda: [ServerInfo(pid, "http://127.0.0.1:8000", "tiny", time.time() - 60, "vllm serve tiny")])
+    monkeypatch.setattr(top_app.LiveSource, "connect", classmethod(lambda cls, pid=None, url=None: ScriptedSource(b)))
+    app = make_app(None, refresh_s=30)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: isinstance(app.screen, PickerScreen))
+        table = app.screen.query_one("#servers")
+        await until(pilot, lambda: table.row_count == 1)
+        assert cells(table, 0)[:3] == [str(pid), "http://127.0.0.1:8000", "tiny"]
+        await pilot.press("enter")
+        await until(pilot, lambda: app.frame is not None)
+        assert not isinstance(app.screen, PickerScreen)
+        assert text_of(app.query_one(VerdictBanner)).startswith("VERDICT  ")
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "wedgectl", "top", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_cli_refuses_bad_targets_with_their_exit_codes(tmp_path):
+    assert run_cli("--bundle", str(tmp_path / "nope.tar.gz")).returncode == exitcodes.NO_SUCH_FILE
+    assert run_cli("--pid", "1").returncode == exitcodes.NOT_VLLM
+    assert run_cli("--bundle", str(WEDGE), "--pid", "1").returncode == exitcodes.USAGE
+
+
+@pytest.mark.asyncio
+async def test_a_failed_swap_is_shown_and_top_keeps_watching(monkeypatch):
+    fake = types.ModuleType("wedgectl.swap")
+    fake.swap_deployment = lambda pid, progress=None: types.SimpleNamespace(ok=False, message="rolled back: new server never healthy", new_pid=None)
+    monkeypatch.setitem(sys.modules, "wedgectl.swap", fake)
+    monkeypatch.setattr(top_app, "swap_available", lambda: True)
+    app = make_app(ScriptedSource(read_bundle(WEDGE)), refresh_s=0.2)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.frame is not None)
+        await pilot.press("w", "y")
+        await until(pilot, lambda: any(m.startswith("swap failed: rolled back") for m in notes_of(app)))
+        n = app.frame.n_samples
+        await until(pilot, lambda: app.frame.n_samples > n)

@@ -1,0 +1,126 @@
+"""wedgectl top's pure layer: frames from recorded bundles, sparklines, futex sharing, reachability."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from wedgectl.bundle import read_bundle
+from wedgectl.classify import classify
+from wedgectl.tui import model
+from wedgectl.tui.source import BundleSource
+from wedgectl.types import MetricsScrape, ProcessSample, Role, Sample, ThreadSample
+
+BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
+RECORDED = sorted(BUNDLES.glob("*.tar.gz"))
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=lambda p: p.name)
+def test_the_lean_copies_give_the_verdict_diagnose_gives(path):
+    # top classifies copies without comments and histogram buckets (a quarter of the parse
+    # cost); the verdict, evidence and all, must be the one the full bundle gets.
+    b = read_bundle(path)
+    frame = BundleSource(b, path).frame_at(len(b.samples))
+    assert frame.verdict == classify(b)
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=lambda p: p.name)
+def test_lean_text_keeps_every_series_but_the_buckets(path):
+    b = read_bundle(path)
+    for s in b.samples:
+        if s.metrics is None or not s.metrics.ok:
+            continue
+        full = model.parse_metrics(s.metrics.text).samples
+        lean = model.parse_metrics(model.lean_metrics_text(s.metrics.text)).samples
+        assert {k for k in full if not k.endswith("_bucket")} == set(lean)
+        assert all(full[k] == lean[k] for k in lean)
+
+
+def test_counters_of_a_wedge_show_one_waiting_for_capacity_and_no_tokens():
+    b = read_bundle(BUNDLES / "admission-wedge.tar.gz")
+    rows = {r.key: r for r in model.counter_rows([model.ScrapedSample.of(s) for s in b.samples])}
+    assert rows["waiting"].current == "1" and rows["waiting_capacity"].current == "1"
+    assert rows["running"].current == "0"
+    assert rows["gen_tps"].current == "0.0"
+    assert rows["hb_steps"].current == "n/a (stock engine)"  # the recorded server runs the stock engine
+
+
+def test_counters_of_a_healthy_server_show_tokens_flowing():
+    b = read_bundle(BUNDLES / "healthy.tar.gz")
+    rows = {r.key: r for r in model.counter_rows([model.ScrapedSample.of(s) for s in b.samples])}
+    assert float(rows["gen_tps"].current) > 10
+    assert len(rows["gen_tps"].values) == len(b.samples) - 1  # a rate between each pair of scrapes
+
+
+HEARTBEAT_TEXT = """\
+vllm:num_requests_running{{engine="0"}} 1.0
+vllm:generation_tokens_total{{engine="0"}} {gen}
+wedge_engine:steps_total {steps}
+wedge_engine:model_steps_total {model}
+wedge_engine:last_model_step_age_seconds {age}
+"""
+
+
+def test_heartbeat_rows_appear_when_the_patched_engine_publishes_them():
+    window = [
+        model.ScrapedSample.of(Sample(t=t, metrics=MetricsScrape(t=t, url="u", status=200, text=HEARTBEAT_TEXT.format(gen=g, steps=st, model=m, age=a))))
+        for t, g, st, m, a in ((100.0, 0, 10, 5, 0.1), (102.0, 50, 30, 15, 0.1), (104.0, 50, 50, 15, 2.1))
+    ]
+    rows = {r.key: r for r in model.counter_rows(window)}
+    assert rows["hb_steps"].values == (10.0, 10.0)  # 20 steps per 2 s
+    assert rows["hb_model_steps"].values == (5.0, 0.0)
+    assert rows["hb_age"].current == "2.1 s ago"
+
+
+def test_spark_text_is_right_aligned_one_bar_per_value_on_a_fixed_floor():
+    assert model.spark_text([0, 0, 1], 5) == "  ▁▁█"
+    assert model.spark_text([0.3, 0.3], 2, top=100.0) == "▁▁"  # 0.3 % of KV is not a full bar
+    assert model.spark_text(list(range(100)), 4)[-1] == "█"
+    assert model.spark_text([], 3) == "   "
+
+
+def _thread(tid, futex=None, state="S", cpu=0.0):
+    return ThreadSample(tid=tid, comm=f"t{tid}", state=state, wchan="futex_do_wait" if futex else "",
+                        syscall_nr=202 if futex else None, futex_addr=futex, utime_s=cpu)
+
+
+def test_threads_waiting_on_one_futex_are_counted_together():
+    p = ProcessSample(pid=1, ppid=0, role=Role.ENGINE_CORE, name="e",
+                      threads=(_thread(1), _thread(2, 0xA0), _thread(3, 0xA0), _thread(4, 0xB0)))
+    rows = {r.tid: r for r in model.thread_rows(p, None, 10.0, None)}
+    assert (rows[2].sharing, rows[3].sharing, rows[4].sharing, rows[1].sharing) == (2, 2, 1, 0)
+    assert rows[2].futex == "0xa0" and rows[2].syscall == "futex"
+    assert rows[1].syscall == "-"
+
+
+def test_cpu_percent_is_a_rate_between_the_last_two_samples():
+    before = ProcessSample(pid=1, ppid=0, role=Role.ENGINE_CORE, name="e", cpu_user_s=10.0, threads=(_thread(1, cpu=10.0),))
+    after = replace(before, cpu_user_s=12.8, threads=(_thread(1, cpu=12.8),))
+    window = [model.ScrapedSample.of(Sample(t=100.0, processes=(before,))), model.ScrapedSample.of(Sample(t=102.0, processes=(after,)))]
+    procs, threads = model.process_rows(window)
+    assert procs[0].cpu_pct == pytest.approx(140.0)
+    assert threads[1][0].cpu_pct == pytest.approx(140.0)
+
+
+def test_reachability_says_what_failed():
+    proc = ProcessSample(pid=1, ppid=0, role=Role.API_SERVER, name="api")
+    ok = MetricsScrape(t=1, url="u", status=200, text="x 1\n")
+    down = MetricsScrape(t=1, url="u", error="unreachable: connection refused")
+    assert model.reachability(Sample(t=1, metrics=ok, processes=(proc,)), has_pid=True) == (True, "")
+    assert model.reachability(Sample(t=1, metrics=down, processes=(proc,)), has_pid=True) == (False, "/metrics: unreachable: connection refused")
+    reachable, why = model.reachability(Sample(t=1, metrics=down), has_pid=True)
+    assert not reachable and "processes are gone" in why
+
+
+def test_stack_lines_name_the_dump_and_the_thread():
+    b = read_bundle(BUNDLES / "admission-wedge.tar.gz")
+    stacks = model.window_stacks([model.ScrapedSample.of(s) for s in b.samples])
+    engine = next(p.pid for p in b.samples[-1].processes if p.role == Role.ENGINE_CORE)
+    tid = model.main_tids(stacks)[engine]
+    lines = model.stack_lines(stacks[engine], tid)
+    assert lines[0].startswith(f"py-spy dump of pid {engine}") and f"thread {tid}" in lines[0]
+    assert any("run_busy_loop" in line for line in lines[1:])
+    assert "runs no Python code" in model.stack_lines(stacks[engine], 1)[1]
+    # The recorded burst's last dump caught the main thread between frames: an older one is shown.
+    assert not model._thread_of(stacks[engine][-1], tid)["frames"]
+    assert model.stack_lines(None, 1)[0].startswith("no stack dump yet")

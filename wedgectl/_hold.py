@@ -1,0 +1,50 @@
+"""The client side of a kept repro: holds the workload's requests open after wedgectl exits.
+
+    python -m wedgectl._hold URL PID CONFIG.toml RESULTS.json [HOLD_S]
+
+`wedgectl repro NAME --keep` runs the workload in this detached process, so the hung server
+keeps its hung requests (a closed connection makes vLLM abort the request and the hang goes
+away). It exits when HOLD_S passes (default 1 h) or the server's process PID is gone; not when
+/metrics stops answering, since a server in a shutdown hang closed its listener but lives on.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from wedgectl.repro import Workload, load_config, scrape_snapshot
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def main(argv: list[str]) -> int:
+    url, pid, cfg_path, results = argv[0], int(argv[1]), Path(argv[2]), Path(argv[3])
+    hold_s = float(argv[4]) if len(argv) > 4 else 3600.0
+    cfg = load_config(cfg_path)
+    workload = Workload(url, cfg, hold_s=hold_s)
+    workload.start_now()
+    deadline = time.monotonic() + hold_s
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline and _alive(pid):
+            snap = scrape_snapshot(client, url)
+            if snap is not None:
+                workload.start_later(snap.generation_tokens or 0)
+            results.write_text(json.dumps(workload.results, indent=2))
+            time.sleep(1.0)
+    workload.stop(join_s=0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,457 @@
+"""The `wedgectl top` Textual app: built by make_app(source) from a live target, a bundle, or nothing (the picker).
+
+Every collection runs in a worker thread and comes back as a Message; the UI
+thread only lays out Frames. A tick that is still running when the next is
+due is not doubled up: the status line says how long the target has not
+answered, and the screen keeps working.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, VerticalScroll
+from textual.message import Message
+from textual.reactive import reactive
+from textual.screen import ModalScreen, Screen
+from textual.widgets import DataTable, Footer, Label, Static
+
+from wedgectl.errors import WedgectlError
+from wedgectl.tui import model
+from wedgectl.tui.source import (
+    BundleSource,
+    Collector,
+    LiveSource,
+    ServerInfo,
+    find_servers,
+    save_bundle,
+    swap_available,
+    swap_target,
+)
+from wedgectl.tui.widgets import (
+    CounterPanel,
+    EvidenceView,
+    ProcessTable,
+    StackView,
+    StatusLine,
+    ThreadTable,
+    VerdictBanner,
+)
+from wedgectl.types import Role
+
+DEFAULT_REFRESH_S = 2.0
+SWAP_UNAVAILABLE = "swap not available in this build"
+HELP = """\
+wedgectl top: a vLLM deployment and its live verdict, refreshed every few seconds.
+
+  s        save an evidence bundle (the window so far) in the save folder
+  d        take a Python stack dump now (py-spy --nonblocking: never pauses the target)
+  D        take a native stack dump (py-spy --native pauses each process ~50 ms)
+  w        swap the deployment to the patched engine (asks first)
+  [  ]     replaying a bundle: one sample back / forward
+  up/down  move in the focused table; tab switches between processes and threads
+  ?  h     this help (escape closes it)
+  q        quit
+
+Threads of one process that wait on the same futex address (one lock or
+condition) share a colour and show xN under SHARE. Stacks are dumped every
+Nth refresh (--stacks-every) and on d / D; the stack view says how old its
+dump is. A target that stops answering is shown as UNREACHABLE; top keeps
+trying and never blocks the screen.
+"""
+
+
+class FrameReady(Message):
+    def __init__(self, frame: model.Frame) -> None:
+        super().__init__()
+        self.frame = frame
+
+
+class CollectFailed(Message):
+    def __init__(self, error: str) -> None:
+        super().__init__()
+        self.error = error
+
+
+class Connected(Message):
+    def __init__(self, source: LiveSource | None, error: str | None = None) -> None:
+        super().__init__()
+        self.source = source
+        self.error = error
+
+
+class ServersFound(Message):
+    def __init__(self, servers: list[ServerInfo]) -> None:
+        super().__init__()
+        self.servers = servers
+
+
+class Notice(Message):
+    def __init__(self, text: str, severity: str = "information", new_pid: int | None = None) -> None:
+        super().__init__()
+        self.text = text
+        self.severity = severity
+        self.new_pid = new_pid
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,q,question_mark,h", "dismiss", "close")]
+
+    def compose(self) -> ComposeResult:
+        yield Static(HELP, id="help")
+
+
+class ConfirmSwap(ModalScreen[bool]):
+    BINDINGS = [Binding("y", "answer(True)", "yes"), Binding("n,escape", "answer(False)", "no")]
+
+    def __init__(self, pid: int) -> None:
+        super().__init__()
+        self.pid = pid
+
+    def compose(self) -> ComposeResult:
+        yield Static(f"Swap pid {self.pid} to the patched engine?\n"
+                     "The server restarts with the wedge_engine fixes on; requests in flight may fail.\n\n"
+                     "y: swap    n: cancel", id="confirm")
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)
+
+
+class PickerScreen(Screen[int]):
+    """No target given: the vLLM servers on this machine; Enter watches one."""
+
+    BINDINGS = [Binding("r", "rescan", "rescan"), Binding("q", "app.quit", "quit")]
+
+    def compose(self) -> ComposeResult:
+        yield Label("vLLM servers on this machine (Enter watches one, r rescans)", id="picker-title")
+        yield DataTable(id="servers", cursor_type="row")
+        yield Label("", id="picker-status")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#servers", DataTable).add_columns("PID", "URL", "MODEL", "UP", "COMMAND")
+        self.action_rescan()
+
+    def action_rescan(self) -> None:
+        self.query_one("#picker-status", Label).update("scanning processes...")
+        self.scan()
+
+    @work(thread=True, exclusive=True, group="scan")
+    def scan(self) -> None:
+        self.post_message(ServersFound(find_servers()))
+
+    def on_servers_found(self, msg: ServersFound) -> None:
+        table = self.query_one("#servers", DataTable)
+        table.clear()
+        now = time.time()
+        for s in msg.servers:
+            table.add_row(s.pid, s.url or "-", s.model[-40:], model_duration(now - s.started), s.cmdline[:60], key=str(s.pid))
+        self.query_one("#picker-status", Label).update(
+            f"{len(msg.servers)} server(s) found" if msg.servers else "no vLLM API server found on this machine (r rescans)")
+        table.focus()
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        if event.row_key.value is not None:
+            self.dismiss(int(event.row_key.value))
+
+
+def model_duration(s: float) -> str:
+    return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.0f}h"
+
+
+class TopApp(App):
+    """The live (or replayed) view. Build it with make_app()."""
+
+    CSS_PATH = "top.tcss"
+    TITLE = "wedgectl top"
+    BINDINGS = [
+        Binding("s", "save", "save bundle"),
+        Binding("d", "dump(False)", "stacks"),
+        Binding("D", "dump(True)", "native stacks"),
+        Binding("w", "swap", "swap engine"),
+        Binding("left_square_bracket", "step(-1)", "older", show=False),
+        Binding("right_square_bracket", "step(1)", "newer", show=False),
+        Binding("question_mark,h", "help", "help"),
+        Binding("q", "quit", "quit"),
+    ]
+
+    frame: reactive[model.Frame | None] = reactive(None)
+    selected_pid: reactive[int | None] = reactive(None)
+    selected_tid: reactive[int | None] = reactive(None)
+
+    def __init__(self, source: LiveSource | BundleSource | None, refresh_s: float = DEFAULT_REFRESH_S,
+                 stacks_every: int = 5, save_dir: Path = Path("."), quit_after_s: float | None = None) -> None:
+        super().__init__()
+        self.source = source
+        self.refresh_s = refresh_s
+        self.stacks_every = stacks_every
+        self.save_dir = Path(save_dir)
+        self.quit_after_s = quit_after_s
+        self.collector: Collector | None = None
+        self.cursor = 0  # replay position (samples seen)
+        self.last_frame_at: float | None = None  # monotonic time the last frame arrived
+        self.last_error: str | None = None
+        self._timer = None
+
+    # ------------------------------------------------------------ layout
+
+    def compose(self) -> ComposeResult:
+        # The widgets are kept by reference: frames also arrive while a modal screen is on top.
+        self.w_banner = VerdictBanner(id="banner")
+        self.w_status_line = StatusLine(id="status")
+        self.w_counters = CounterPanel(id="counters")
+        self.w_procs = ProcessTable(id="procs")
+        self.w_threads = ThreadTable(id="threads")
+        self.w_stack = StackView(id="stack")
+        self.w_evidence = EvidenceView(id="evidence")
+        yield self.w_banner
+        yield self.w_status_line
+        with Horizontal(id="top-row"):
+            yield self.w_counters
+            yield self.w_procs
+        yield self.w_threads
+        with Horizontal(id="bottom-row"):
+            with VerticalScroll(id="stack-box"):
+                yield self.w_stack
+            with VerticalScroll(id="evidence-box"):
+                yield self.w_evidence
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.w_counters.border_title = "counters"
+        self.w_procs.border_title = "processes"
+        self.w_threads.border_title = "threads"
+        self.query_one("#stack-box").border_title = "stack"
+        self.query_one("#evidence-box").border_title = "evidence"
+        self.set_interval(1.0, self._watchdog)
+        if self.quit_after_s is not None:
+            self.set_timer(self.quit_after_s, self.exit)
+        if self.source is None:
+            self.w_status_line.status = ("pick a server", True)
+            self.push_screen(PickerScreen(), self._picked)
+        else:
+            self._start(self.source)
+
+    def _start(self, source: LiveSource | BundleSource) -> None:
+        self.source = source
+        self.sub_title = source.label
+        self.w_status_line.status = (f"{source.label} | connecting...", True)
+        if isinstance(source, BundleSource):
+            self.cursor = len(source.scraped)
+            self.replay()
+        else:
+            self.collector = Collector(source, stacks_every=self.stacks_every)
+            self.selected_pid = None
+            self.collect()
+            if self._timer is None:
+                self._timer = self.set_interval(self.refresh_s, self._tick)
+
+    def _picked(self, pid: int | None) -> None:
+        if pid is not None:
+            self.w_status_line.status = (f"pid {pid} | connecting...", True)
+            self.connect(pid)
+
+    @work(thread=True, exclusive=True, group="connect")
+    def connect(self, pid: int) -> None:
+        try:
+            self.post_message(Connected(LiveSource.connect(pid=pid)))
+        except WedgectlError as exc:
+            self.post_message(Connected(None, str(exc)))
+
+    def on_connected(self, msg: Connected) -> None:
+        if msg.source is None:
+            self.notify(msg.error or "cannot watch that process", severity="error")
+            self.push_screen(PickerScreen(), self._picked)
+            return
+        self._start(msg.source)
+
+    # ------------------------------------------------------- collection
+
+    def _tick(self) -> None:
+        if self.collector is not None and not self.collector.busy:
+            self.collect()
+
+    @work(thread=True, exclusive=True, group="collect")
+    def collect(self) -> None:
+        assert self.collector is not None
+        try:
+            frame = self.collector.tick()
+        except Exception as exc:  # noqa: BLE001 - a collector bug must not take the screen down
+            self.post_message(CollectFailed(f"{type(exc).__name__}: {exc}"))
+            return
+        if frame is not None:
+            self.post_message(FrameReady(frame))
+
+    @work(thread=True, exclusive=True, group="collect")
+    def replay(self) -> None:
+        assert isinstance(self.source, BundleSource)
+        self.post_message(FrameReady(self.source.frame_at(self.cursor)))
+
+    def on_frame_ready(self, msg: FrameReady) -> None:
+        self.last_frame_at = time.monotonic()
+        self.last_error = None
+        self.frame = msg.frame
+
+    def on_collect_failed(self, msg: CollectFailed) -> None:
+        self.last_error = msg.error
+        self.w_status_line.status = (f"collection failed: {msg.error}", False)
+
+    def _watchdog(self) -> None:
+        """Say so when the target stops answering: a tick running far longer than the refresh."""
+        c = self.collector
+        if c is None or c.busy_since is None:
+            return
+        stuck = time.monotonic() - c.busy_since
+        if stuck > max(2 * self.refresh_s, 3.0):
+            self.w_status_line.status = (
+                f"UNREACHABLE: {self.source.label if self.source else ''} has not answered for {stuck:.0f} s "
+                "(still trying; the last frame stays on screen)", False)
+
+    # ------------------------------------------------------------ drawing
+
+    def watch_frame(self, frame: model.Frame | None) -> None:
+        if frame is None:
+            return
+        self.w_banner.verdict = frame.verdict
+        self.w_evidence.verdict = frame.verdict
+        extra = ""
+        if self.collector is not None:
+            extra = f" | refresh {self.refresh_s:g} s, stacks every {self.collector.stacks_every}"
+        self.w_status_line.status = (f"{frame.target} | {frame.status}{extra}", frame.reachable)
+        self.w_counters.counters = frame.counters
+        pids = [p.pid for p in frame.processes]
+        if self.selected_pid not in pids and pids:
+            # First frame, or the selected process exited: look at the engine first.
+            engine = next((p.pid for p in frame.processes if p.role == Role.ENGINE_CORE.value), pids[0])
+            self.set_reactive(TopApp.selected_pid, engine)
+            self.set_reactive(TopApp.selected_tid, None)
+        procs = self.w_procs
+        procs.selected = self.selected_pid
+        procs.entries = frame.processes
+        self._draw_threads()
+
+    def _draw_threads(self) -> None:
+        frame = self.frame
+        if frame is None:
+            return
+        rows = frame.threads.get(self.selected_pid, ()) if self.selected_pid is not None else ()
+        tids = [t.tid for t in rows]
+        if self.selected_tid not in tids and tids:
+            main = frame.main_tids.get(self.selected_pid) if self.selected_pid is not None else None
+            self.selected_tid = main if main in tids else (self.selected_pid if self.selected_pid in tids else tids[0])
+        table = self.w_threads
+        table.selected = self.selected_tid
+        table.border_title = f"threads of pid {self.selected_pid}" if self.selected_pid else "threads"
+        table.entries = rows
+        self._draw_stack()
+
+    def _draw_stack(self) -> None:
+        frame = self.frame
+        if frame is None or self.selected_pid is None:
+            return
+        dumps = frame.stacks.get(self.selected_pid, ())
+        now = time.time() if self.collector is not None else None
+        self.w_stack.lines = tuple(model.stack_lines(dumps, self.selected_tid, now))
+
+    def watch_selected_pid(self, pid: int | None) -> None:
+        self.selected_tid = None
+        self._draw_threads()
+
+    def watch_selected_tid(self, tid: int | None) -> None:
+        self._draw_stack()
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        key = event.row_key.value
+        if key is None:
+            return
+        if isinstance(event.data_table, ProcessTable) and int(key) != self.selected_pid:
+            self.selected_pid = int(key)
+        elif isinstance(event.data_table, ThreadTable) and int(key) != self.selected_tid:
+            self.selected_tid = int(key)
+
+    # ------------------------------------------------------------- keys
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def action_save(self) -> None:
+        if self.source is None:
+            self.notify("no target yet", severity="warning")
+            return
+        self.notify("saving the evidence bundle...")
+        self.save()
+
+    @work(thread=True, exclusive=True, group="save")
+    def save(self) -> None:
+        try:
+            if self.collector is not None:
+                bundle = self.collector.bundle()
+            else:
+                assert isinstance(self.source, BundleSource)
+                bundle = self.source.bundle
+            path = save_bundle(bundle, self.save_dir)
+        except (OSError, WedgectlError) as exc:
+            self.post_message(Notice(f"could not save the bundle: {exc}", "error"))
+            return
+        self.post_message(Notice(f"saved {path} ({len(bundle.samples)} samples, verdict {bundle.verdict.verdict.value})"))
+
+    def action_dump(self, native: bool) -> None:
+        if self.collector is None:
+            self.notify("replaying a bundle: there is no live target to dump", severity="warning")
+            return
+        self.collector.request_stacks(native)
+        self.notify("native stack dump requested (pauses each process ~50 ms)" if native else "stack dump requested")
+        if not self.collector.busy:
+            self.collect()
+
+    def action_swap(self) -> None:
+        if self.collector is None or not isinstance(self.source, LiveSource):
+            self.notify("replaying a bundle: there is no live target to swap", severity="warning")
+            return
+        if not swap_available():
+            self.notify(SWAP_UNAVAILABLE, severity="warning")
+            return
+        pid = self.source.deployment.api_pid or self.source.deployment.root_pid or self.source.pid
+        if pid is None:
+            self.notify("swap needs a process (--pid), not just a URL", severity="warning")
+            return
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self.notify(f"swapping pid {pid} to the patched engine...")
+                self.swap(pid)
+
+        self.push_screen(ConfirmSwap(pid), answered)
+
+    @work(thread=True, exclusive=True, group="swap")
+    def swap(self, pid: int) -> None:
+        try:
+            text, new_pid, ok = swap_target(pid, lambda m: self.post_message(Notice(m)))
+        except Exception as exc:  # noqa: BLE001 - another module's failure is shown, not fatal
+            self.post_message(Notice(f"swap failed: {type(exc).__name__}: {exc}", "error"))
+            return
+        self.post_message(Notice(text, "information" if ok else "error", new_pid=new_pid))
+
+    def on_notice(self, msg: Notice) -> None:
+        self.notify(msg.text, severity=msg.severity)  # type: ignore[arg-type]
+        if msg.new_pid is not None:
+            self.connect(msg.new_pid)
+
+    def action_step(self, delta: int) -> None:
+        if not isinstance(self.source, BundleSource):
+            return
+        n = len(self.source.scraped)
+        new = max(1, min(n, self.cursor + delta))
+        if new != self.cursor:
+            self.cursor = new
+            self.replay()
+
+
+def make_app(source: LiveSource | BundleSource | None, refresh_s: float = DEFAULT_REFRESH_S,
+             stacks_every: int = 5, save_dir: Path | str = ".", quit_after_s: float | None = None) -> TopApp:
+    """The app for a live target, a bundle replay, or (None) the server picker."""
+    return TopApp(source, refresh_s=refresh_s, stacks_every=stacks_every, save_dir=Path(save_dir), quit_after_s=quit_after_s)

@@ -1,0 +1,259 @@
+"""Where `wedgectl top` gets its evidence: a live deployment (the sampler's take_sample) or a saved bundle.
+
+`Collector` keeps the rolling window of samples and turns each refresh into a
+`Frame`; it blocks (HTTP, /proc, py-spy), so the app calls it from a worker
+thread and the headless driver from its own loop. Live and replayed evidence
+go through the same `build_frame` and `classify` as `wedgectl diagnose`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import psutil
+
+from wedgectl import __version__
+from wedgectl.bundle import read_bundle, write_bundle
+from wedgectl.classify import classify
+from wedgectl.collect import processes
+from wedgectl.discover import Deployment, base_url_from_listening, discover, listening_of
+from wedgectl.errors import WedgectlError
+from wedgectl.sampler import SamplerOptions, take_sample
+from wedgectl.sources import host_facts, read_log_lines
+from wedgectl.tui.model import Frame, ScrapedSample, build_frame, describe_target
+from wedgectl.types import Bundle, Manifest, Role, Sample, Target
+
+WINDOW = 60  # samples kept for the sparklines: 2 min at the default refresh
+CLASSIFY_LAST = 10  # samples the live verdict rests on: 20 s at 2 s, longer than any rule's frozen threshold
+STACKS_EVERY = 5  # py-spy on every 5th refresh (and on request): it costs wedgectl CPU, not the target's
+LOG_EVERY = 5  # re-read the log tail every 5th refresh
+LIVE_LOG_BYTES = 256 << 10  # the live verdict reads the log's tail; a saved bundle gets the sampler's 4 MiB
+SAVE_LOG_BYTES = 4 << 20
+
+
+class LiveSource:
+    """A running deployment, found by pid or URL exactly as `diagnose` finds it."""
+
+    live = True
+
+    def __init__(self, deployment: Deployment, pid: int | None, url: str | None,
+                 options: SamplerOptions = SamplerOptions()) -> None:
+        self.deployment = deployment
+        self.pid = pid
+        self.url = url
+        self.options = options
+        self._manifest = Manifest(
+            created=time.time(),
+            wedgectl_version=__version__,
+            source="live" if deployment.root_pid is not None else "url",
+            target=Target(pid=pid, url=deployment.base_url, log_path=deployment.log_path, pids=deployment.pids),
+            host=host_facts(),
+            notes=("captured by wedgectl top",),
+        )
+
+    @classmethod
+    def connect(cls, pid: int | None = None, url: str | None = None) -> LiveSource:
+        """discover(); raises NoSuchProcess / NotVllm like diagnose does."""
+        return cls(discover(pid=pid, url=url), pid, url)
+
+    @property
+    def label(self) -> str:
+        return describe_target(self._manifest)
+
+    def manifest(self) -> Manifest:
+        return self._manifest
+
+    def take(self, with_stacks: bool, native: bool = False) -> Sample:
+        if self.deployment.metrics_url is None and self.pid is not None:
+            self._rediscover()  # the API server was not listening yet
+        return take_sample(self.deployment, with_stacks, replace(self.options, native=native))
+
+    def _rediscover(self) -> None:
+        try:
+            dep = discover(pid=self.pid, url=self.url)
+        except WedgectlError:
+            return
+        self.deployment = dep
+        self._manifest = replace(self._manifest, target=replace(self._manifest.target, url=dep.base_url, pids=dep.pids))
+
+    def log_tail(self, max_bytes: int) -> tuple[str, ...]:
+        path = self._manifest.target.log_path
+        if not path:
+            return ()
+        try:
+            return read_log_lines(path, max_bytes=max_bytes)[0]
+        except WedgectlError:
+            return ()
+
+
+class BundleSource:
+    """A saved bundle, replayed: the cursor picks how much of it the view has 'seen'."""
+
+    live = False
+
+    def __init__(self, bundle: Bundle, path: str | Path = "") -> None:
+        self.bundle = bundle
+        self.path = str(path)
+        self.scraped = tuple(ScrapedSample.of(s) for s in bundle.samples)
+
+    @classmethod
+    def load(cls, path: str | Path) -> BundleSource:
+        return cls(read_bundle(path), path)
+
+    @property
+    def label(self) -> str:
+        return f"{Path(self.path).name or 'bundle'} ({describe_target(self.bundle.manifest)})"
+
+    def manifest(self) -> Manifest:
+        return self.bundle.manifest
+
+    def frame_at(self, n: int) -> Frame:
+        """The view after the first n samples; at the end, the verdict `diagnose --bundle` gives."""
+        n = max(1, min(n, len(self.scraped))) if self.scraped else 0
+        label = f"replay {self.label}, sample {n}/{len(self.scraped)}"
+        return build_frame(self.bundle.manifest, self.scraped[:n], self.bundle.log_lines, target=label, live=False)
+
+
+class Collector:
+    """The rolling window over a LiveSource. tick() blocks; call it off the UI thread."""
+
+    def __init__(self, source: LiveSource, window: int = WINDOW, stacks_every: int = STACKS_EVERY,
+                 classify_last: int = CLASSIFY_LAST, log_every: int = LOG_EVERY) -> None:
+        self.source = source
+        self.stacks_every = max(1, stacks_every)
+        self.classify_last = classify_last
+        self.log_every = max(1, log_every)
+        self.ticks = 0
+        self._window: deque[ScrapedSample] = deque(maxlen=window)
+        self._log: tuple[str, ...] = ()
+        self._lock = threading.Lock()  # guards the window
+        self._running = threading.Lock()  # held for one tick: ticks never overlap
+        self._want_stacks: bool | None = None  # None: no request; else native or not
+        self.busy_since: float | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._running.locked()
+
+    def request_stacks(self, native: bool = False) -> None:
+        """The next tick dumps stacks (natively if asked; a native request wins over a plain one)."""
+        self._want_stacks = bool(native or self._want_stacks)
+
+    def tick(self) -> Frame | None:
+        """Take one sample and build the frame; None if a tick is already running."""
+        if not self._running.acquire(blocking=False):
+            return None
+        self.busy_since = time.monotonic()
+        try:
+            native = bool(self._want_stacks)
+            with_stacks = self._want_stacks is not None or self.ticks % self.stacks_every == 0
+            self._want_stacks = None
+            sample = self.source.take(with_stacks, native)
+            if self.ticks % self.log_every == 0:
+                self._log = self.source.log_tail(LIVE_LOG_BYTES)
+            self.ticks += 1
+            with self._lock:
+                self._window.append(ScrapedSample.of(sample))
+                window = tuple(self._window)
+            return build_frame(self.source.manifest(), window, self._log, self.classify_last, self.source.label)
+        finally:
+            self.busy_since = None
+            self._running.release()
+
+    def bundle(self) -> Bundle:
+        """The window as an evidence bundle (full log tail), with the verdict over all of it."""
+        with self._lock:
+            samples = tuple(s.sample for s in self._window)
+        log = self.source.log_tail(SAVE_LOG_BYTES)
+        b = Bundle(self.source.manifest(), samples, log)
+        return replace(b, verdict=classify(b))
+
+
+def save_bundle(bundle: Bundle, directory: Path) -> Path:
+    """Write the bundle as wedgectl-top-YYYYmmdd-HHMMSS.tar.gz in directory."""
+    name = f"wedgectl-top-{time.strftime('%Y%m%d-%H%M%S')}.tar.gz"
+    if bundle.verdict is None:
+        bundle = replace(bundle, verdict=classify(bundle))
+    return write_bundle(bundle, Path(directory) / name)
+
+
+# --------------------------------------------------------------- the picker
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """One vLLM API server found on this machine."""
+
+    pid: int
+    url: str | None
+    model: str
+    started: float
+    cmdline: str
+
+
+def _model_of(cmdline: list[str]) -> str:
+    if "serve" in cmdline:
+        i = cmdline.index("serve")
+        if i + 1 < len(cmdline):
+            return cmdline[i + 1]
+    for i, arg in enumerate(cmdline):
+        if arg == "--model" and i + 1 < len(cmdline):
+            return cmdline[i + 1]
+    return "?"
+
+
+def find_servers(process_iter: Callable[[], object] = psutil.process_iter) -> list[ServerInfo]:
+    """Every vLLM API server on the machine (the root of each deployment), oldest first."""
+    found = []
+    for proc in process_iter():
+        try:
+            if not processes.looks_like_vllm(proc) or processes.role_of(proc) != Role.API_SERVER:
+                continue
+            parent = proc.parent()
+            if parent is not None and processes.role_of(parent) == Role.API_SERVER:
+                continue  # an extra API server process of a deployment already listed
+            cmdline = proc.cmdline()
+            found.append(ServerInfo(proc.pid, base_url_from_listening(listening_of(proc.pid)),
+                                    _model_of(cmdline), proc.create_time(), " ".join(cmdline)))
+        except (psutil.Error, OSError):
+            continue
+    return sorted(found, key=lambda s: s.started)
+
+
+# ----------------------------------------------------------------- the swap
+
+
+def swap_available() -> bool:
+    """Whether this build has `wedgectl swap` (wedgectl.swap.swap_deployment)."""
+    try:
+        return importlib.util.find_spec("wedgectl.swap") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def swap_target(pid: int, say: Callable[[str], None]) -> tuple[str, int | None, bool]:
+    """Run wedgectl.swap.swap_deployment(pid): (what happened, the new API server pid, ok)."""
+    mod = importlib.import_module("wedgectl.swap")
+    fn = getattr(mod, "swap_deployment", None)
+    if fn is None:
+        return "swap not available in this build", None, False
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    result = fn(pid, progress=say) if "progress" in params else fn(pid)
+    new_pid = getattr(result, "new_pid", None) or getattr(result, "pid", None)
+    new_pid = new_pid if isinstance(new_pid, int) and not isinstance(new_pid, bool) else None
+    ok = bool(getattr(result, "ok", True))
+    message = getattr(result, "message", "") or ""
+    if not ok:
+        return f"swap failed: {message or 'see wedgectl swap --pid ' + str(pid)}", None, False
+    return f"swapped to the patched engine{f': new pid {new_pid}' if new_pid else ''}" + (f" ({message})" if message else ""), new_pid, True
