@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from wedgectl import stacks as stk
+from wedgectl.collect.ebpf import parked_threads, probe_evidence  # pure readers of Sample.probes
 from wedgectl.logparse import ParsedLog, StatsLine, format_stamp, parse_log
 from wedgectl.metrics import MetricsParseError, MetricsSnapshot, parse_metrics
 from wedgectl.types import (
@@ -591,6 +592,7 @@ def live_shutdown_hang(v: View) -> Verdict | None:
             ev.append(Evidence("log", "uvicorn: Waiting for connections to close", values={"line": waiting[0].lineno}))
     if shutdown_frames:
         ev.append(Evidence("stack", f"API server stack in shutdown: {shutdown_frames[0]}", values={"frames": shutdown_frames[:6]}))
+    ev += probe_evidence(v.samples)
     confidence = 0.9 if (began is not None and (api.connections or shutdown_frames)) else 0.8
     return Verdict(
         VerdictKind.SHUTDOWN_HANG, confidence,
@@ -653,6 +655,7 @@ def live_admission_wedge(v: View) -> Verdict | None:
     ]
     ev += _present(_engine_cpu_evidence(v), _heartbeat_evidence(v))
     ev += _profile_evidence(v) or list(_present(_engine_stack_evidence(v)))
+    ev += probe_evidence(v.samples)
     share = _worker_model_share(v)
     if where == stk.IN_MODEL and not (spinning_cpu or spinning_hb):
         # A parked engine inside execute_model with stale gauges is the deadlock's shape; a
@@ -708,6 +711,9 @@ def live_engine_deadlock(v: View) -> Verdict | None:
     ev = [_metrics_evidence(v, f"{running:.0f} running, {waiting:.0f} waiting, all gauges frozen"), _counter_evidence(v)]
     ev += _present(_engine_cpu_evidence(v), _heartbeat_evidence(v), _engine_stack_evidence(v))
     ev += _profile_evidence(v)
+    ev += probe_evidence(v.samples)
+    if parked_threads(v.samples) and (parked or hb_frozen) and confidence < 0.95:
+        confidence = 0.95  # a main thread parked the whole window on one futex, never woken
     engine = v.last_of_role(Role.ENGINE_CORE)
     if engine is not None:
         ev += _present(stk_futex_summary(engine))

@@ -1,0 +1,139 @@
+"""The real probe on the repro'd engine deadlock: a vLLM server whose Worker parks forever in execute_model.
+
+One server (the engine-deadlock repro's fault: WEDGE_ENGINE_FAULT=model-stall
+after 3 steps), two completions in flight; once the generation counter froze
+with requests running, the probes run on the whole tree. The Worker thread
+parked in the fault's Event.wait must show the futex address /proc shows, a
+wait as long as the stall has lasted (the fault logs the moment it parks),
+and no FUTEX_WAKE on that address in the window. Then `wedgectl diagnose
+--ebpf on --json` must carry the same facts. The server is always stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from wedgectl.collect import ebpf, procfs, pyspy
+from wedgectl.collect.processes import process_tree, role_of
+from wedgectl.metrics import MetricsParseError, parse_metrics
+from wedgectl.repro import ensure_engine_plugin
+from wedgectl.runtime import ServerSpec, ensure_tiny_model, free_port, start_server, stop_server
+from wedgectl.types import ProcessSample, Role, Sample
+
+from test_probes_live import NO_EBPF  # noqa: E402  (same folder; pytest puts it on sys.path)
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(NO_EBPF is not None, reason=f"eBPF: {NO_EBPF}")]
+
+REPO = Path(__file__).resolve().parents[2]
+STALL_LINE = "wedge_engine: model-stall: execute_model blocks forever now"
+
+
+def _metrics(client: httpx.Client, url: str):
+    try:
+        r = client.get(f"{url}/metrics")
+        return parse_metrics(r.text) if r.status_code == 200 else None
+    except (httpx.HTTPError, MetricsParseError):
+        return None
+
+
+def _send(url: str, results: list) -> None:
+    body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 64, "temperature": 0,
+            "ignore_eos": True}
+    try:
+        with httpx.Client(timeout=httpx.Timeout(600, connect=5)) as c:
+            results.append(c.post(f"{url}/v1/completions", json=body).status_code)
+    except httpx.HTTPError as exc:  # the server is stopped under it at the end
+        results.append(type(exc).__name__)
+
+
+def _stalled_thread(worker_pid: int) -> int | None:
+    """The Worker thread blocked in the fault's wrapper, found by its Python stack."""
+    dump = pyspy.dump_stacks(worker_pid)
+    for thread in dump.threads:
+        if any("execute_model_then_stall" in f for f in pyspy.frame_names(thread)):
+            return int(thread["os_thread_id"])
+    return None
+
+
+def test_probe_on_the_engine_deadlock(vllm_python: Path, tmp_path: Path) -> None:
+    ensure_engine_plugin(vllm_python, print)
+    spec = ServerSpec(model=ensure_tiny_model(vllm_python), port=free_port(),
+                      env={"WEDGE_ENGINE_FAULT": "model-stall", "WEDGE_ENGINE_FAULT_AFTER_STEPS": "3"})
+    log = tmp_path / "server.log"
+    server = start_server(spec, vllm_python, log)
+    try:
+        results: list = []
+        for _ in range(2):
+            threading.Thread(target=_send, args=(server.url, results), daemon=True).start()
+        # the moment the fault parks the Worker: when its log line appears (polled every 0.1 s)
+        t_stall = None
+        history: list[float] = []
+        deadline = time.monotonic() + 120
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if t_stall is None and STALL_LINE in log.read_text(errors="replace"):
+                    t_stall = time.monotonic()
+                if t_stall is not None:
+                    m = _metrics(client, server.url)
+                    if m is not None:
+                        history.append(m.generation_tokens or 0)
+                        frozen = len(history) >= 8 and len(set(history[-8:])) == 1
+                        if frozen and (m.running or 0) >= 1:
+                            break
+                time.sleep(0.1)
+        assert t_stall is not None, f"the fault never fired; log tail:\n{log.read_text()[-3000:]}"
+        assert results == [], f"a request finished: {results}"
+        tree = process_tree(server.pid)
+        worker = next(p.pid for p in tree if role_of(p) is Role.WORKER)
+        tid = _stalled_thread(worker)
+        assert tid is not None, "no Worker thread in execute_model_then_stall"
+        time.sleep(2.0)  # let the deadlock last a little longer than the attach
+
+        pids = [p.pid for p in tree]
+        records, failures = ebpf.run_probes(pids, 3.0, backend="bpftrace")
+        t_done = time.monotonic()
+        assert not [f for f in failures if f.kind.value not in ("gone",)], failures
+        header = records[0]
+        threads = {r["tid"]: r for r in records[1:]}
+        t = threads[tid]
+        lasted = t_done - t_stall
+        print(f"stalled Worker thread {tid}: {t}\nstall lasted {lasted:.2f} s; header {header}")
+        proc_addr = next(x.futex_addr for x in procfs.read_threads(worker)[0] if x.tid == tid)
+        assert header["backend"] == "bpftrace" and worker in header["pids"]
+        assert t["futex_addr"] == proc_addr is not None
+        assert t["parked_throughout"] and t["wait_source"] == "sched"
+        assert abs(t["wait_s"] - lasted) < 1.5, (t["wait_s"], lasted)
+        assert t["wakes_on_addr"] == 0 and t["waits"] == 0
+        assert t["oncpu_s"] < 0.05 and t["offcpu_s"] > 0.9 * t["window_s"]
+        assert not any(w["addr"] == proc_addr and w["pid"] == worker for w in header["wakes"])
+
+        # the classifier's evidence from it (the stalled thread is the Worker's main thread here)
+        sample = Sample(t=time.time(), processes=tuple(ProcessSample(pid=p, ppid=0, role=role_of(psutil.Process(p)),
+                                                                     name="") for p in pids),
+                        probes=records)
+        evidence = ebpf.probe_evidence([sample])
+        print("\n".join(e.what for e in evidence))
+        if tid == worker:
+            assert any(e.what.startswith(f"Worker main thread (tid {tid}) parked") for e in evidence)
+
+        # and through the CLI: diagnose --ebpf on --json carries the per-thread facts
+        r = subprocess.run([sys.executable, "-m", "wedgectl", "diagnose", "--pid", str(server.pid), "--json",
+                            "--window", "4", "--no-stacks", "--ebpf", "on"], capture_output=True, text=True,
+                           timeout=180, cwd=REPO)
+        payload = json.loads(r.stdout)
+        d = {x["tid"]: x for x in payload["probes"] if x.get("kind") == "thread"}[tid]
+        print(f"diagnose: {payload['verdict']} ({r.returncode}); {d}")
+        assert d["futex_addr"] == proc_addr and d["wakes_on_addr"] == 0
+        assert d["wait_s"] >= lasted
+    finally:
+        stop_server(server, grace=10)

@@ -1,0 +1,386 @@
+"""The real probes on real processes: a deadlock parked before the probe attached, a wait that begins
+in the window, wakes, a spinner against a parked thread, the fallback order, and every detach path."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+from wedgectl.collect import ebpf, procfs
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+TARGETS = REPO / "tests" / "targets"
+
+
+def _ebpf_ready() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root"
+    if shutil.which("bpftrace") is None:
+        return "bpftrace is not installed (.ci/run installs it from Debian)"
+    st = {s.name: s for s in ebpf.detect_backends()}
+    return None if st["bpftrace"].available else st["bpftrace"].reason
+
+
+NO_EBPF = _ebpf_ready()
+needs_ebpf = pytest.mark.skipif(NO_EBPF is not None, reason=f"eBPF: {NO_EBPF}")
+
+
+@dataclass
+class Target:
+    proc: subprocess.Popen[bytes]
+    fd: int
+    buf: bytes = b""
+    said: list[tuple[str, dict]] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def expect(self, word: str, timeout: float = 20.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            while b"\n" in self.buf:
+                line, self.buf = self.buf.split(b"\n", 1)
+                w, _, payload = line.decode().partition(" ")
+                self.said.append((w, json.loads(payload or "{}")))
+                if w == word:
+                    return self.said[-1][1]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"target {self.pid} never said {word!r} (said {self.said})")
+            ready, _, _ = select.select([self.fd], [], [], 0.1)
+            if ready:
+                chunk = os.read(self.fd, 4096)
+                if chunk:
+                    self.buf += chunk
+                    continue
+                time.sleep(0.02)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"target exited {self.proc.returncode} before {word!r}")
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., Target]]:
+    """spawn(script_path) -> Target, talking through a FIFO; SIGKILLed at teardown."""
+    started: list[Target] = []
+
+    def start(script: Path, *args: str, stdin: int | None = subprocess.DEVNULL) -> Target:
+        fifo = tmp_path / f"t{len(started)}.fifo"
+        os.mkfifo(fifo)
+        fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        proc = subprocess.Popen([sys.executable, str(script), *args, str(fifo)], stdin=stdin,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=TARGETS,
+                                env={**os.environ, "PYTHONPATH": str(TARGETS)})
+        started.append(Target(proc, fd))
+        return started[-1]
+
+    yield start
+    for t in started:
+        with_kids = [t.proc.pid]
+        try:
+            with_kids += [c.pid for c in psutil.Process(t.proc.pid).children(recursive=True)]
+        except psutil.Error:
+            pass
+        for pid in with_kids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        t.proc.wait(timeout=10)
+        os.close(t.fd)
+
+
+def _threads(records: tuple[dict, ...]) -> dict[int, dict]:
+    return {r["tid"]: r for r in records if r.get("kind") == "thread"}
+
+
+def _header(records: tuple[dict, ...]) -> dict:
+    return next(r for r in records if r.get("kind") == "probe")
+
+
+def _no_probe_children() -> bool:
+    """No bpftrace (or bcc runner) left among our children: everything detached."""
+    def alive() -> list[psutil.Process]:
+        out = []
+        for c in psutil.Process().children(recursive=True):
+            try:
+                if c.name() == "bpftrace" or "bcc_child" in " ".join(c.cmdline()):
+                    out.append(c)
+            except psutil.Error:
+                continue
+        return out
+    deadline = time.monotonic() + 5
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not alive()
+
+
+def _proc_futex(pid: int, tid: int) -> int | None:
+    threads, _ = procfs.read_threads(pid)
+    return next(t.futex_addr for t in threads if t.tid == tid)
+
+
+# --- a real deadlock, parked long before the probe attached ------------------------
+
+
+@needs_ebpf
+def test_deadlock_parked_before_attach_bpftrace(spawn: Callable[..., Target]) -> None:
+    target = spawn(TARGETS / "deadlock.py")
+    info = target.expect("ready")
+    t_ready = time.monotonic()  # both threads were parked (in the second acquire) just before this
+    time.sleep(3.0)
+    records, failures = ebpf.run_probes([target.pid], 2.0, backend="bpftrace")
+    t_done = time.monotonic()
+    assert not [f for f in failures if f.kind.value != "gone"], failures
+    header, threads = _header(records), _threads(records)
+    assert header["backend"] == "bpftrace" and header["probes"] == ["futexwait", "offcpu"]
+    assert 1.5 < header["window_s"] < 4.0
+    lasted = t_done - t_ready
+    for key in ("a", "b"):
+        t = threads[info[key]]
+        print(f"deadlock thread {key}: {t}")
+        assert t["futex_addr"] == _proc_futex(target.pid, info[key]) != None  # noqa: E711
+        assert t["wait_source"] == "sched" and t["parked_throughout"] is True
+        assert abs(t["wait_s"] - lasted) < 1.0, (t["wait_s"], lasted)
+        assert t["wakes_on_addr"] == 0 and t["wakers"] == [] and t["waits"] == 0
+        assert t["oncpu_s"] < 0.05 and t["offcpu_s"] > 0.9 * t["window_s"]
+        assert abs(t["wait_started"] - (time.time() - lasted)) < 1.0
+    assert threads[info["a"]]["futex_addr"] != threads[info["b"]]["futex_addr"]
+    assert _no_probe_children()
+
+
+# --- a wait that begins inside the window, and wakes ---------------------------------
+
+WAKER = textwrap.dedent(
+    """
+    import sys, threading, time
+    from _announce import announce, wait_until_parked
+
+    held = threading.Lock(); held.acquire()  # never released: whoever takes it next is stuck
+    ping = threading.Lock(); ping.acquire()  # released by main every 50 ms: its waiter is woken
+    go = threading.Event()
+
+    def stuck():
+        go.wait()
+        announce("parking", t=time.monotonic())
+        held.acquire()
+
+    def pinged():
+        while True:
+            ping.acquire()
+
+    s = threading.Thread(target=stuck, daemon=True); s.start()
+    p = threading.Thread(target=pinged, daemon=True); p.start()
+    wait_until_parked(s.native_id); wait_until_parked(p.native_id)
+    announce("ready", stuck=s.native_id, pinged=p.native_id, main=threading.get_native_id())
+    sys.stdin.readline()
+    go.set()
+    while True:
+        time.sleep(0.05)
+        try:
+            ping.release()
+        except RuntimeError:
+            pass
+    """
+)
+
+
+@needs_ebpf
+def test_wait_begun_in_window_and_who_woke_which_address(spawn: Callable[..., Target], tmp_path: Path) -> None:
+    script = tmp_path / "waker.py"
+    script.write_text(WAKER)
+    target = spawn(script, stdin=subprocess.PIPE)
+    info = target.expect("ready")
+    run = ebpf.start_probes([target.pid], "on", backend="bpftrace", max_s=20)
+    try:
+        target.proc.stdin.write(b"go\n")
+        target.proc.stdin.flush()
+        t_parking = target.expect("parking")["t"]  # the target's CLOCK_MONOTONIC, the same as ours
+        time.sleep(2.0)
+    finally:
+        records, failures = run.stop()
+    t_done = time.monotonic()
+    assert not failures, failures
+    threads = _threads(records)
+    stuck, pinged = threads[info["stuck"]], threads[info["pinged"]]
+    print(f"stuck: {stuck}\npinged: {pinged}")
+    assert stuck["wait_source"] == "tracepoint" and not stuck["parked_throughout"]
+    assert stuck["waits"] >= 1  # the lock (the Event wait began before the attach: it ends as "carried")
+    assert stuck["futex_addr"] == _proc_futex(target.pid, info["stuck"])
+    assert abs(stuck["wait_s"] - (t_done - t_parking)) < 1.0, (stuck["wait_s"], t_done - t_parking)
+    assert stuck["wakes_on_addr"] == 0
+    # the pinged thread's lock is released by main every 50 ms: main shows as its waker
+    assert pinged["waits"] >= 20 and pinged["wakes_on_addr"] >= 20 and pinged["wakers"] == [info["main"]]
+    assert pinged["total_wait_s"] > 0.5 * pinged["window_s"]
+    rows = [w for w in _header(records)["wakes"] if w["addr"] == pinged["futex_addr"]]
+    assert rows and rows[0]["waker"] == info["main"] and rows[0]["woken"] >= 20
+
+
+@needs_ebpf
+def test_pylockwait_lock_pointer_is_the_futex_address(spawn: Callable[..., Target], tmp_path: Path) -> None:
+    """A Python lock is a sem_t* whose first word is the futex: the uprobe's lock pointer equals futexwait's address."""
+    script = tmp_path / "waker.py"
+    script.write_text(WAKER)
+    target = spawn(script, stdin=subprocess.PIPE)
+    info = target.expect("ready")
+    run = ebpf.start_probes([target.pid], "on", probes=ebpf.ALL_PROBES, backend="bpftrace", max_s=20)
+    try:
+        assert run.libs, "no libpython or python executable found for the uprobe"
+        target.proc.stdin.write(b"go\n")
+        target.proc.stdin.flush()
+        target.expect("parking")
+        time.sleep(1.5)
+    finally:
+        records, failures = run.stop()
+    assert not failures, failures
+    assert "pylockwait" in _header(records)["probes"]
+    threads = _threads(records)
+    stuck, pinged = threads[info["stuck"]], threads[info["pinged"]]
+    print(f"stuck: {stuck}")
+    assert stuck["pylock_addr"] == stuck["futex_addr"] is not None
+    assert stuck["pylock_waits"] >= 1 and stuck["pylock_wait_s"] > 1.0
+    assert pinged["pylock_waits"] >= 10
+
+
+# --- spinning against parked -------------------------------------------------------
+
+
+@needs_ebpf
+def test_spinner_and_parked_thread_read_differently(spawn: Callable[..., Target]) -> None:
+    target = spawn(TARGETS / "spinner.py")
+    spinner = target.expect("ready")["spinner"]
+    records, failures = ebpf.run_probes([target.pid], 2.0, backend="bpftrace")
+    threads = _threads(records)
+    spin, main = threads[spinner], threads[target.pid]
+    print(f"spinner {spin}\nmain {main}")
+    w = spin["window_s"]
+    assert spin["futex_addr"] is None and spin["oncpu_s"] + spin["runq_s"] > 0.8 * w and spin["offcpu_s"] < 0.2 * w
+    assert main["futex_addr"] is not None and main["offcpu_s"] > 0.9 * w and main["oncpu_s"] < 0.05
+
+
+# --- the fallback order, each back-end forced off ---------------------------------------
+
+
+@needs_ebpf
+def test_fallback_order_on_a_real_deadlock(spawn: Callable[..., Target], monkeypatch: pytest.MonkeyPatch) -> None:
+    target = spawn(TARGETS / "deadlock.py")
+    info = target.expect("ready")
+    t_ready = time.monotonic()
+    addr = _proc_futex(target.pid, info["a"])
+    seen = {}
+    for disabled, want in (("", ("bcc", "bpftrace")), ("bcc", ("bpftrace",)), ("bcc,bpftrace", ("procfs",))):
+        monkeypatch.setenv(ebpf.DISABLE_ENV, disabled)
+        records, _ = ebpf.run_probes([target.pid], 1.0)
+        header, t = _header(records), _threads(records)[info["a"]]
+        seen[disabled] = header["backend"]
+        assert header["backend"] in want, (disabled, header)
+        assert t["futex_addr"] == addr and abs(t["wait_s"] - (time.monotonic() - t_ready)) < 1.0
+        skipped = {s["backend"]: s["reason"] for s in header["skipped"]}
+        if header["backend"] == "procfs":
+            assert t["wakes_on_addr"] is None and t["waits"] is None
+            assert "disabled" in skipped["bpftrace"] and "bcc" in skipped
+        else:
+            assert t["wakes_on_addr"] == 0
+        if "bcc" in skipped:
+            print(f"{disabled or 'nothing'} off -> {header['backend']}; bcc skipped: {skipped['bcc']}")
+    # every back-end off: still a /proc reading, said so
+    monkeypatch.setenv(ebpf.DISABLE_ENV, "bcc,bpftrace,procfs")
+    records, _ = ebpf.run_probes([target.pid], 0.5)
+    assert "every back-end is disabled" in _header(records)["reason"]
+    # "on" with no eBPF back-end: the data, and a failure that says why
+    monkeypatch.setenv(ebpf.DISABLE_ENV, "bcc,bpftrace")
+    records, failures = ebpf.run_probes([target.pid], 0.5, mode="on")
+    assert any(f.kind.value == "missing_tool" and "--ebpf on" in f.message for f in failures)
+    print(f"back-ends chosen: {seen}")
+
+
+# --- detaching on every exit path ------------------------------------------------------
+
+
+@needs_ebpf
+def test_detach_on_timeout_error_and_ctrl_c(spawn: Callable[..., Target], monkeypatch: pytest.MonkeyPatch) -> None:
+    target = spawn(TARGETS / "deadlock.py")
+    info = target.expect("ready")
+    # timeout: the program's own interval probe ends it; stop() still gets the maps
+    run = ebpf.start_probes([target.pid], "on", backend="bpftrace", max_s=1.0)
+    deadline = time.monotonic() + 15
+    while run._proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert run._proc.poll() is not None  # exited by itself
+    records, failures = run.stop()
+    assert not failures and abs(_header(records)["window_s"] - 1.0) < 0.05  # the in-kernel timer ended it
+    assert _threads(records)[info["a"]]["wakes_on_addr"] == 0
+    # error: a program bpftrace rejects -> /proc fallback with the reason, nothing left behind
+    monkeypatch.setattr(ebpf, "bpftrace_program", lambda *a, **k: "BEGIN { @x = ; }\n")
+    records, failures = ebpf.run_probes([target.pid], 0.5, backend="bpftrace")
+    assert _header(records)["backend"] == "procfs"
+    assert any("bpftrace could not start" in f.message and "syntax error" in f.message for f in failures), failures
+    assert _threads(records)[info["a"]]["wait_s"] > 0
+    monkeypatch.undo()
+    assert _no_probe_children()
+    # Ctrl-C on `wedgectl probes --pid`: the window ends, results print, bpftrace is gone
+    cli = subprocess.Popen([sys.executable, "-m", "wedgectl", "probes", "--pid", str(target.pid),
+                            "--seconds", "60", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           cwd=REPO)
+    try:
+        deadline = time.monotonic() + 30
+        kids: list[psutil.Process] = []
+        while time.monotonic() < deadline and not kids:
+            kids = [c for c in psutil.Process(cli.pid).children(recursive=True) if c.name() == "bpftrace"]
+            time.sleep(0.1)
+        assert kids, "bpftrace never started"
+        time.sleep(1.5)
+        t0 = time.monotonic()
+        cli.send_signal(signal.SIGINT)
+        out, err = cli.communicate(timeout=20)
+        assert time.monotonic() - t0 < 10
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+    assert cli.returncode == 0, err
+    payload = json.loads(out)
+    assert _header(tuple(payload["probes"]))["window_s"] < 10
+    assert not any(k.is_running() and k.status() != psutil.STATUS_ZOMBIE for k in kids if psutil.pid_exists(k.pid))
+
+
+# --- the CLI: `wedgectl probes` and `diagnose --json` ------------------------------------
+
+
+@needs_ebpf
+def test_diagnose_json_carries_per_thread_probe_results(spawn: Callable[..., Target]) -> None:
+    # a stand-in deployment (API server -> EngineCore -> Worker), each main thread parked on an Event
+    target = spawn(TARGETS / "fake_vllm_serve.py", "serve")
+    info = target.expect("ready", timeout=60)
+    time.sleep(1.0)
+    r = subprocess.run([sys.executable, "-m", "wedgectl", "diagnose", "--pid", str(info["api"]), "--json",
+                        "--window", "3", "--no-stacks", "--ebpf", "on"], capture_output=True, text=True,
+                       timeout=120, cwd=REPO)
+    payload = json.loads(r.stdout)
+    records = tuple(payload["probes"])
+    assert _header(records)["backend"] in ("bcc", "bpftrace")
+    assert {info["api"], info["engine"], info["worker"]} <= set(_header(records)["pids"])
+    threads = _threads(records)
+    for role in ("engine", "worker"):
+        t = threads[info[role]]  # the process's main thread: tid == pid
+        assert {"tid", "futex_addr", "wait_s"} <= set(t)
+        assert t["futex_addr"] == _proc_futex(info[role], info[role]) and t["wait_s"] >= 3.0
+        assert t["wakes_on_addr"] == 0 and t["parked_throughout"]
+    r = subprocess.run([sys.executable, "-m", "wedgectl", "probes"], capture_output=True, text=True,
+                       timeout=60, cwd=REPO)
+    assert r.returncode == 0 and "<- used" in r.stdout
+    print(r.stdout)

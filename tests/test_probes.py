@@ -1,0 +1,544 @@
+"""The probes without attaching anything: generated programs, output parsing, the /proc side, the
+back-end choice on recorded host trees, combining maps with /proc reads, and the classifier evidence."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from wedgectl.collect import ebpf
+from wedgectl.collect.ebpf import BackendStatus, Host, ThreadProbe, ThreadState, Window
+from wedgectl.types import Bundle, Manifest, ProcessSample, Role, Sample
+
+REPO = Path(__file__).resolve().parents[1]
+PROBES = REPO / "probes"
+TOOLS = ("futexwait", "offcpu", "pylockwait")
+
+
+# --- the programs -------------------------------------------------------------
+
+
+def test_bpftrace_program_is_one_bounded_filtered_program() -> None:
+    text = ebpf.bpftrace_program(ebpf.DEFAULT_PROBES, [4101, 4102], 7.5, seed_tids=[4101, 4105])
+    assert text.count("\nBEGIN\n") == 1 and text.count("\nEND\n") == 1
+    assert "interval:ms:7500" in text and "exit();" in text
+    assert "/(pid == 4101 || pid == 4102) && @t_live/" in text  # the pid compare comes first
+    assert "interval:ms:7500\n{\n  @t_end = nsecs;\n  delete(@t_live);" in text  # the timer ends the window
+    assert "@oc_tgt[4101] = 1;" in text and "@oc_tgt[4105] = 1;" in text
+    assert "tracepoint:syscalls:sys_enter_futex" in text and "tracepoint:sched:sched_switch" in text
+    assert "__" not in text.replace("__FILTER", "")  # every placeholder filled
+    assert "uprobe" not in text  # pylockwait is opt-in
+
+
+def test_bpftrace_program_caps_window_and_seeds() -> None:
+    text = ebpf.bpftrace_program(("offcpu",), [1], 10_000, seed_tids=range(10_000))
+    assert f"interval:ms:{int(ebpf.MAX_WINDOW_S * 1000)}" in text
+    assert len(re.findall(r"@oc_tgt\[\d+\] = 1;", text)) == ebpf.MAX_SEED_TIDS
+
+
+def test_pylockwait_repeats_per_library_and_is_skipped_without_one() -> None:
+    libs = ["/usr/lib/libpython3.11.so.1.0", "/opt/py/bin/python3.12"]
+    text = ebpf.bpftrace_program(("pylockwait",), [7], 5, libs=libs)
+    for lib in libs:
+        assert f"uprobe:{lib}:PyThread_acquire_lock_timed" in text
+        assert f"uretprobe:{lib}:PyThread_acquire_lock_timed" in text
+    assert "uprobe" not in ebpf.bpftrace_program(("pylockwait",), [7], 5, libs=[])
+
+
+def test_bcc_text_has_bounded_maps_and_the_filter() -> None:
+    text = ebpf.bcc_program(ebpf.ALL_PROBES, [4101], max_entries=1024)
+    assert "TRACEPOINT_PROBE(syscalls, sys_enter_futex)" in text
+    assert "TRACEPOINT_PROBE(sched, sched_switch)" in text
+    assert "BPF_HASH(fw_wakes, struct fw_key3_t, u64, 1024);" in text
+    assert "(pid == 4101)" in text and "__" not in text.replace("__FILTER", "")
+    for name in TOOLS:  # every map a probe names is declared in its C text
+        for m in ebpf.load_probe(name).MAPS:
+            assert f"BPF_HASH({m}," in text
+
+
+def test_pid_predicate_rejects_empty() -> None:
+    assert ebpf.pid_predicate([3, 1, 3]) == "pid == 1 || pid == 3"
+    with pytest.raises(ValueError):
+        ebpf.pid_predicate([])
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_tool_ebpf_flag_prints_program_without_running(tool: str) -> None:
+    r = subprocess.run([sys.executable, str(PROBES / f"{tool}.py"), "-p", "4242", "--ebpf"],
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert "pid == 4242" in r.stdout and "BEGIN" in r.stdout
+    r = subprocess.run([sys.executable, str(PROBES / f"{tool}.py"), "-p", "4242", "--ebpf", "--backend", "bcc"],
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 0 and "BPF_HASH" in r.stdout
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_tool_header_epilog_overhead_and_example(tool: str) -> None:
+    mod = ebpf.load_probe(tool)
+    assert mod.__doc__.splitlines()[0].startswith(f"{tool}: ")
+    assert "Overhead" in mod.__doc__ or "overhead" in mod.__doc__
+    assert "ratio" in mod.OVERHEAD
+    assert "--ebpf" in mod.EPILOG and "examples:" in mod.EPILOG
+    assert "Exit status" in mod.__doc__
+    assert (PROBES / f"{tool}_example.txt").read_text().strip()
+    r = subprocess.run([sys.executable, str(PROBES / f"{tool}.py"), "-h"], capture_output=True, text=True,
+                       timeout=60, cwd=REPO)
+    assert r.returncode == 0 and "examples:" in r.stdout and "--ebpf" not in r.stdout.split("examples:")[0]
+
+
+def test_tool_usage_errors_exit_2() -> None:
+    r = subprocess.run([sys.executable, str(PROBES / "futexwait.py"), "-p", "x1"], capture_output=True,
+                       text=True, timeout=60, cwd=REPO)
+    assert r.returncode == ebpf.EXIT_USAGE
+    r = subprocess.run([sys.executable, str(PROBES / "futexwait.py")], capture_output=True, text=True,
+                       timeout=60, cwd=REPO)
+    assert r.returncode == 2  # argparse
+
+
+@pytest.mark.skipif(shutil.which("bpftrace") is None or ebpf.find_tracefs() is None or os.geteuid() != 0,
+                    reason="needs bpftrace, a mounted tracefs and root to compile")
+def test_generated_program_compiles_with_bpftrace(tmp_path: Path) -> None:
+    text = ebpf.bpftrace_program(ebpf.ALL_PROBES, [1, 2], 5, [3], [sys.executable])
+    src = tmp_path / "p.bt"
+    src.write_text(text)
+    r = subprocess.run(["bpftrace", "--emit-elf", str(tmp_path / "p.o"), str(src)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "p.o").stat().st_size > 0
+
+
+# --- parsing bpftrace -f json ---------------------------------------------------
+
+RECORDED = """\
+{"type": "attached_probes", "data": {"probes": 5}}
+{"type": "printf", "data": "wedgectl-probe-ready\\n"}
+
+
+{"type": "map", "data": {"@fw_wait_since": {"2473": 2127220708608}}}
+{"type": "map", "data": {"@fw_wait_addr": {"2473": 139687234636704}}}
+{"type": "map", "data": {"@fw_wakes": {"0x7f0b7ff4e6f0,2474": 1, "2470,139687234636704,2474": 2}}}
+{"type": "map", "data": {"@t_begin": 2125275819821}}
+garbage line
+"""
+
+
+def test_parse_bpftrace_output_keys_and_scalars() -> None:
+    maps, printed, other = ebpf.parse_bpftrace_output(RECORDED.splitlines())
+    assert printed == [ebpf.READY_MARK]
+    assert maps["fw_wait_since"] == {2473: 2127220708608}
+    assert maps["fw_wakes"] == {(0x7F0B7FF4E6F0, 2474): 1, (2470, 139687234636704, 2474): 2}
+    assert maps["t_begin"] == 2125275819821
+    assert other == ["garbage line"]
+
+
+# --- the /proc side -------------------------------------------------------------
+
+STAT = ("4143 (worker-a) S 4138 4138 1 0 -1 4194368 21 0 0 0 3 1 0 0 20 0 3 0 123456 0 0 "
+        "18446744073709551615 0 0 0 0 0 0 0 0 0 0 0 0 17 1 0 0 0 0 0")
+SYSCALL = "202 0x5652e4bab440 0x189 0x0 0x0 0x0 0xffffffff 0x7ffd 0x7f00"
+SCHED = """worker-a (4143, #threads: 3)
+-------------------------------------------------------------------
+se.exec_start                                :       2022667.010839
+se.vruntime                                  :           115.061254
+"""
+
+
+def test_thread_state_from_recorded_texts() -> None:
+    st = ebpf.thread_state_from_texts(4138, 4143, STAT, SYSCALL, "futex_do_wait", SCHED, "63698 460563 5",
+                                      machine="x86_64")
+    assert (st.comm, st.state, st.cpu) == ("worker-a", "S", 1)
+    assert st.futex_addr == 0x5652E4BAB440 and st.in_futex_wait
+    assert st.exec_start_s == pytest.approx(2022.667010839)
+    assert (st.oncpu_ns, st.runq_ns) == (63698, 460563)
+
+
+def test_parsers_tolerate_missing_fields() -> None:
+    assert ebpf.parse_exec_start("nothing here") is None
+    assert ebpf.parse_schedstat("") is None
+    st = ebpf.thread_state_from_texts(1, 1, STAT, "running", None, None, None, machine="x86_64")
+    assert st.futex_addr is None and st.exec_start_s is None and st.oncpu_ns is None
+
+
+def test_read_thread_states_on_a_recorded_tree(tmp_path: Path) -> None:
+    d = tmp_path / "4138" / "task" / "4143"
+    d.mkdir(parents=True)
+    for name, text in (("stat", STAT), ("syscall", SYSCALL), ("wchan", "futex_do_wait"), ("sched", SCHED),
+                       ("schedstat", "63698 460563 5")):
+        (d / name).write_text(text)
+    (tmp_path / "4138" / "task" / "4199").mkdir()  # exited mid-read: no stat
+    states, failures = ebpf.read_thread_states([4138, 999], tmp_path)
+    assert list(states) == [4143] and states[4143].in_futex_wait
+    assert [f.kind.value for f in failures] == ["gone"]
+
+
+def test_sched_clock_offsets_are_small_and_positive() -> None:
+    if ebpf.parse_exec_start(Path("/proc/self/sched").read_text() if Path("/proc/self/sched").exists() else "") is None:
+        pytest.skip("no /proc/PID/sched on this kernel")
+    offsets = ebpf.sched_clock_offsets(sorted(os.sched_getaffinity(0)))
+    assert offsets and all(-0.01 < v < 3600 for v in offsets.values())
+
+
+# --- combining maps and /proc ------------------------------------------------------
+
+
+def _st(tid: int, pid: int = 100, addr: int | None = None, exec_start: float | None = 50.0, cpu: int = 0,
+        on: int = 0, rq: int = 0, comm: str = "python") -> ThreadState:
+    return ThreadState(tid=tid, pid=pid, comm=comm, state="S" if addr else "R", cpu=cpu, futex_addr=addr,
+                       futex_op=0x80 if addr else None, exec_start_s=exec_start, oncpu_ns=on, runq_ns=rq)
+
+
+def _window(start: dict, end: dict, begin: float = 100.0, stop: float = 105.0) -> Window:
+    return Window(begin=begin, end=stop, start_states=start, end_states=end, end_read_at=stop + 0.01,
+                  offsets={0: 0.5}, wall_offset=1_000_000.0)
+
+
+def test_combine_parked_before_attach_uses_exec_start() -> None:
+    # parked at 50.0 on the sched clock (+0.5 s offset = 50.5 monotonic), never ran in the window
+    start = {101: _st(101, addr=0xAA), 102: _st(102)}
+    end = {101: _st(101, addr=0xAA), 102: _st(102, exec_start=104.0, on=4_000_000_000)}
+    maps = {"fw_wakes": {(100, 0xBB, 102): 3}, "t_begin": 100_000_000_000}
+    by = {t.tid: t for t in ebpf.combine("bpftrace", ebpf.DEFAULT_PROBES, maps, _window(start, end))}
+    t = by[101]
+    assert t.futex_addr == 0xAA and t.wait_source == "sched" and t.parked_throughout
+    assert t.wait_s == pytest.approx(105.01 - 50.5, abs=1e-3)
+    assert t.wait_started == pytest.approx(1_000_050.5, abs=1e-3)
+    assert t.wakes_on_addr == 0 and t.wakers == () and t.waits == 0
+    assert t.total_wait_s == pytest.approx(5.0, abs=0.02)
+    assert (t.oncpu_s, t.offcpu_s) == (0.0, 5.0)  # no switch in the window: schedstat decides
+    spinner = by[102]
+    assert spinner.futex_addr is None and spinner.oncpu_s == pytest.approx(4.0) and spinner.offcpu_s == pytest.approx(1.0)
+
+
+def test_combine_wait_begun_in_window_uses_the_tracepoint_and_counts_wakes() -> None:
+    start = {101: _st(101), 102: _st(102)}
+    end = {101: _st(101, addr=0xAA, exec_start=103.0), 102: _st(102)}
+    maps = {
+        "fw_wait_since": {101: 103_000_000_000}, "fw_wait_addr": {101: 0xAA}, "fw_nwaits": {101: 4},
+        "fw_wait_ns": {101: 1_000_000_000},
+        "fw_wakes": {(100, 0xAA, 102): 2, (100, 0xAA, 103): 1, (999, 0xAA, 104): 7},  # another process's 0xAA
+        "fw_woken": {(100, 0xAA): 2},
+        "oc_offcpu_ns": {101: 2_000_000_000}, "oc_off_since": {101: 103_000_000_000},
+        "oc_oncpu_ns": {101: 500_000_000, 102: 3_900_000_000}, "oc_runq_ns": {102: 100_000_000},
+        "oc_on_since": {102: 104_000_000_000},
+    }
+    by = {t.tid: t for t in ebpf.combine("bpftrace", ebpf.DEFAULT_PROBES, maps, _window(start, end))}
+    t = by[101]
+    assert t.wait_source == "tracepoint" and not t.parked_throughout
+    assert t.wait_s == pytest.approx(2.0) and t.waits == 4
+    assert t.total_wait_s == pytest.approx(3.0)
+    assert t.wakes_on_addr == 3 and t.wakers == (102, 103)
+    assert t.oncpu_s == pytest.approx(0.5) and t.offcpu_s == pytest.approx(4.0)  # 2 s + 2 s still off at the end
+    assert by[102].oncpu_s == pytest.approx(4.9) and by[102].runq_s == pytest.approx(0.1)
+    table = ebpf.wake_table(maps)
+    assert table[0] == {"pid": 999, "addr": 0xAA, "waker": 104, "calls": 7, "woken": 0}
+    assert {"pid": 100, "addr": 0xAA, "waker": 102, "calls": 2, "woken": 2} in table
+
+
+def test_combine_lost_sched_events_fall_back_to_schedstat() -> None:
+    start = {102: _st(102, on=1_000_000_000, rq=0)}
+    end = {102: _st(102, on=4_000_000_000, rq=500_000_000)}
+    maps = {"oc_oncpu_ns": {102: 900_000_000}, "oc_lost": {102: 1}}  # a skipped run: the sums are short
+    (t,) = ebpf.combine("bpftrace", ebpf.DEFAULT_PROBES, maps, _window(start, end))
+    assert (t.oncpu_s, t.runq_s, t.offcpu_s) == (3.0, 0.5, 1.5)
+
+
+def test_combine_procfs_knows_durations_not_wakes() -> None:
+    start = {101: _st(101, addr=0xAA)}
+    end = {101: _st(101, addr=0xAA)}
+    (t,) = ebpf.combine("procfs", (), {}, _window(start, end))
+    assert t.backend == "procfs" and t.futex_addr == 0xAA and t.wait_source == "sched"
+    assert t.wakes_on_addr is None and t.waits is None and t.total_wait_s is None
+    assert t.parked_throughout and t.offcpu_s == 5.0
+
+
+def test_combine_without_exec_start_gives_the_window_as_lower_bound() -> None:
+    start = {101: _st(101, addr=0xAA, exec_start=None)}
+    end = {101: _st(101, addr=0xAA, exec_start=None)}
+    (t,) = ebpf.combine("procfs", (), {}, _window(start, end))
+    assert t.wait_source == "window" and t.wait_s == pytest.approx(5.01)
+
+
+def test_combine_a_thread_that_ran_is_not_parked_throughout() -> None:
+    start = {101: _st(101, addr=0xAA, exec_start=50.0)}
+    end = {101: _st(101, addr=0xAA, exec_start=102.0)}  # ran at 102, parked again on the same address
+    (t,) = ebpf.combine("procfs", (), {}, _window(start, end))
+    assert not t.parked_throughout and t.wait_s == pytest.approx(105.01 - 102.5)
+
+
+def test_thread_probe_round_trips_through_a_dict() -> None:
+    start = {101: _st(101, addr=0xAA)}
+    (t,) = ebpf.combine("procfs", (), {}, _window(start, dict(start)))
+    d = json.loads(json.dumps(t.to_dict()))
+    assert d["kind"] == "thread" and {"tid", "futex_addr", "wait_s"} <= set(d)
+    assert ThreadProbe.from_dict(d) == t
+
+
+# --- choosing the back-end ------------------------------------------------------------
+
+
+def _host_tree(root: Path, *, headers: bool, bcc: bool, tracefs: bool = True, release: str = "6.18.0-test") -> None:
+    if tracefs:
+        for tp in ("syscalls/sys_enter_futex", "syscalls/sys_exit_futex", "sched/sched_switch"):
+            (root / "sys/kernel/tracing/events" / tp).mkdir(parents=True)
+    (root / "sys/kernel/btf").mkdir(parents=True)
+    (root / "sys/kernel/btf/vmlinux").write_bytes(b"")
+    if headers:
+        (root / f"lib/modules/{release}/build/include").mkdir(parents=True)
+    if bcc:
+        (root / "usr/lib/python3/dist-packages/bcc").mkdir(parents=True)
+        (root / "usr/lib/python3/dist-packages/bcc/__init__.py").write_text("")
+
+
+def _host(root: Path, bpftrace: bool = True, euid: int = 0, caps: int | None = None) -> Host:
+    return Host(root=root, which=lambda n: "/usr/bin/bpftrace" if bpftrace and n == "bpftrace" else None,
+                euid=lambda: euid, release="6.18.0-test", cap_eff=lambda: caps)
+
+
+def _names(statuses: tuple[BackendStatus, ...]) -> dict[str, BackendStatus]:
+    return {s.name: s for s in statuses}
+
+
+def test_fallback_order_forcing_each_backend_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ebpf.DISABLE_ENV, raising=False)
+    _host_tree(tmp_path, headers=True, bcc=True)
+    host = _host(tmp_path)
+    assert ebpf.choose_backend(ebpf.detect_backends(host=host)).name == "bcc"
+    statuses = ebpf.detect_backends(host=host, disable={"bcc"})
+    assert ebpf.choose_backend(statuses).name == "bpftrace"
+    assert "disabled" in _names(statuses)["bcc"].reason
+    monkeypatch.setenv(ebpf.DISABLE_ENV, "bcc,bpftrace")
+    statuses = ebpf.detect_backends(host=host)
+    assert ebpf.choose_backend(statuses).name == "procfs"
+    statuses = ebpf.detect_backends(host=host, disable={"procfs"})
+    assert ebpf.choose_backend(statuses) is None
+
+
+def test_bcc_without_headers_falls_to_bpftrace_and_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ebpf.DISABLE_ENV, raising=False)
+    _host_tree(tmp_path, headers=False, bcc=True)
+    by = _names(ebpf.detect_backends(host=_host(tmp_path)))
+    assert not by["bcc"].available and "no kernel headers for 6.18.0-test" in by["bcc"].reason
+    assert by["bpftrace"].available and "BTF" in by["bpftrace"].reason
+
+
+def test_missing_tools_tracefs_and_privilege_are_reasons(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ebpf.DISABLE_ENV, raising=False)
+    _host_tree(tmp_path, headers=True, bcc=False, tracefs=False)
+    by = _names(ebpf.detect_backends(host=_host(tmp_path, bpftrace=False)))
+    assert "python3-bpfcc" in by["bcc"].reason
+    assert "apt-get install bpftrace" in by["bpftrace"].reason
+    by = _names(ebpf.detect_backends(host=_host(tmp_path)))
+    assert "tracefs is not mounted" in by["bpftrace"].reason
+    _host_tree(tmp_path / "b", headers=False, bcc=False)
+    by = _names(ebpf.detect_backends(host=_host(tmp_path / "b", euid=1000, caps=0)))
+    assert "CAP_BPF + CAP_PERFMON" in by["bpftrace"].reason
+    caps = 1 << ebpf.CAP_BPF | 1 << ebpf.CAP_PERFMON
+    assert _names(ebpf.detect_backends(host=_host(tmp_path / "b", euid=1000, caps=caps)))["bpftrace"].available
+
+
+def test_missing_tracepoint_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ebpf.DISABLE_ENV, raising=False)
+    _host_tree(tmp_path, headers=False, bcc=False)
+    (tmp_path / "sys/kernel/tracing/events/sched/sched_switch").rmdir()
+    by = _names(ebpf.detect_backends(host=_host(tmp_path)))
+    assert not by["bpftrace"].available and "sched:sched_switch" in by["bpftrace"].reason
+    assert _names(ebpf.detect_backends(("futexwait",), host=_host(tmp_path)))["bpftrace"].available
+
+
+def test_procfs_reason_depends_on_sched_file(tmp_path: Path) -> None:
+    (tmp_path / "self").mkdir()
+    assert "no wait durations" in ebpf.check_procfs(Host(), tmp_path).reason
+    (tmp_path / "self" / "sched").write_text(SCHED)
+    assert "se.exec_start" in ebpf.check_procfs(Host(), tmp_path).reason
+
+
+# --- the classifier's evidence -----------------------------------------------------------
+
+
+def _sample_with(threads: list[ThreadProbe], header: dict | None = None) -> Sample:
+    procs = (ProcessSample(pid=200, ppid=1, role=Role.ENGINE_CORE, name="VLLM::EngineCor"),
+             ProcessSample(pid=300, ppid=200, role=Role.WORKER, name="VLLM::Worker"))
+    header = header or {"kind": "probe", "backend": "bpftrace", "reason": "test", "window_s": 5.0, "pids": [200, 300]}
+    return Sample(t=0.0, processes=procs, probes=(header, *(t.to_dict() for t in threads)))
+
+
+def _tp(tid: int, pid: int, **kw) -> ThreadProbe:
+    base = dict(comm="python", backend="bpftrace", futex_addr=None, wait_s=None, wait_started=None, wait_source="",
+                parked_throughout=False, waits=0, total_wait_s=0.0, wakes_on_addr=None, wakers=(), oncpu_s=0.0,
+                offcpu_s=5.0, runq_s=0.0, window_s=5.0)
+    base.update(kw)
+    return ThreadProbe(tid=tid, pid=pid, **base)
+
+
+def test_probe_evidence_names_the_parked_engine_main_thread() -> None:
+    threads = [
+        _tp(200, 200, futex_addr=0x7F00AA, wait_s=312.4, wait_started=1.7e9, wait_source="sched",
+            parked_throughout=True, wakes_on_addr=0),
+        _tp(201, 200, futex_addr=0x7F00BB, wait_s=900.0, wakes_on_addr=0),  # idle helper: not a main thread
+        _tp(300, 300, futex_addr=0x7F00CC, wait_s=2.0, wakes_on_addr=0),  # short wait: not the window
+        _tp(301, 300, oncpu_s=5.0, offcpu_s=0.0),
+    ]
+    ev = ebpf.probe_evidence([Sample(t=0.0), _sample_with(threads)])
+    assert ev[0].source == "probe"
+    assert ev[0].what == ("EngineCore main thread (tid 200) parked 312 s on one futex (0x7f00aa), "
+                          "no wake on that address in the 5.0 s window")
+    assert ev[0].values["wait_s"] == 312.4 and ev[0].values["role"] == "engine_core"
+    assert len([e for e in ev if "parked" in e.what]) == 1
+    assert ev[-1].what.startswith("probes: bpftrace over 5.0 s")
+
+
+def test_probe_evidence_spinning_main_thread_and_woken_waits() -> None:
+    threads = [_tp(200, 200, oncpu_s=4.8, offcpu_s=0.0, waits=0),
+               _tp(300, 300, futex_addr=0x10, wait_s=30.0, wakes_on_addr=4, wakers=(301,))]
+    ev = ebpf.probe_evidence([_sample_with(threads)])
+    assert any("EngineCore main thread (tid 200) on the CPU 96%" in e.what for e in ev)
+    assert not any("on one futex" in e.what for e in ev)  # the Worker's address was woken: not parked evidence
+
+
+def test_probe_evidence_procfs_says_wakes_not_traced() -> None:
+    threads = [_tp(300, 300, backend="procfs", futex_addr=0x10, wait_s=60.0, waits=None, wakes_on_addr=None)]
+    ev = ebpf.probe_evidence([_sample_with(threads, {"kind": "probe", "backend": "procfs", "reason": "r",
+                                                      "window_s": 5.0, "pids": [300]})])
+    assert "Worker main thread (tid 300) parked 60 s" in ev[0].what and "wakes not traced (procfs)" in ev[0].what
+
+
+def test_probe_evidence_empty_without_probes() -> None:
+    assert ebpf.probe_evidence([Sample(t=0.0)]) == []
+
+
+# --- wiring: sampler and CLI --------------------------------------------------------------
+
+
+def test_sampler_puts_probe_results_on_the_last_sample() -> None:
+    from wedgectl import sampler
+
+    b = Bundle(Manifest(), (Sample(t=1.0), Sample(t=2.0)))
+    header = {"kind": "probe", "backend": "procfs"}
+    out = sampler._with_probes(b, (header,), ())
+    assert out.samples[0].probes == () and out.samples[-1].probes == (header,)
+    assert sampler._with_probes(b, (), ()) is b
+
+
+def test_sampler_off_starts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from wedgectl import sampler
+    from wedgectl.discover import Deployment
+
+    monkeypatch.setattr(ebpf, "start_probes", lambda *a, **k: pytest.fail("started"))
+    dep = Deployment(root_pid=1, api_pid=1, roles={1: Role.API_SERVER}, base_url=None, metrics_url=None)
+    assert sampler._start_probes(dep, sampler.SamplerOptions(ebpf="off")) is None
+    url_only = Deployment(root_pid=None, api_pid=None, roles={}, base_url="http://x", metrics_url=None)
+    assert sampler._start_probes(url_only, sampler.SamplerOptions(ebpf="auto")) is None
+
+
+def test_cli_probes_reports_each_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    from wedgectl.cli import app
+
+    monkeypatch.setenv(ebpf.DISABLE_ENV, "bcc,bpftrace")
+    r = CliRunner().invoke(app, ["probes"], env={"COLUMNS": "80"})
+    assert r.exit_code == ebpf.EXIT_NO_BACKEND, r.output
+    assert "bcc" in r.output and "bpftrace" in r.output and "procfs    yes <- used" in r.output
+    assert "disabled" in r.output and "futexwait" in r.output and "overhead" in r.output
+    r = CliRunner().invoke(app, ["probes", "--json"])
+    data = json.loads(r.output)
+    assert data["chosen"] == "procfs" and [b["name"] for b in data["backends"]] == list(ebpf.BACKENDS)
+
+
+# --- the bcc runner's protocol, against a stand-in bcc module -----------------------
+
+FAKE_BCC = '''
+import ctypes as ct
+
+class _Key(ct.Structure):
+    _fields_ = [("pid", ct.c_uint64), ("addr", ct.c_uint64), ("tid", ct.c_uint64)]
+
+class _Map(dict):
+    def __setitem__(self, k, v):
+        super().__setitem__(getattr(k, "value", k), getattr(v, "value", v))
+    def items(self):
+        out = []
+        for k, v in super().items():
+            key = _Key(*k) if isinstance(k, tuple) else ct.c_uint64(k)
+            out.append((key, ct.c_uint64(v)))
+        return out
+
+class BPF:
+    def __init__(self, text):
+        assert "TRACEPOINT_PROBE(syscalls, sys_enter_futex)" in text
+        self.maps = {"t_begin": _Map(), "oc_tgt": _Map(), "fw_nwaits": _Map({TID: 2}),
+                     "fw_wakes": _Map({(PID, 0xAB, TID): 5})}
+    def __getitem__(self, name):
+        return self.maps.setdefault(name, _Map())
+    def attach_uprobe(self, **kw): pass
+    def attach_uretprobe(self, **kw): pass
+    def cleanup(self): pass
+'''
+
+
+def test_bcc_runner_protocol_with_a_stand_in_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = subprocess.Popen(["sleep", "30"])
+    try:
+        fake = tmp_path / "fakebcc" / "bcc"
+        fake.mkdir(parents=True)
+        (fake / "__init__.py").write_text(FAKE_BCC.replace("PID", str(target.pid)).replace("TID", str(target.pid)))
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fake.parent), str(REPO)]))
+        run = ebpf.ProbeRun([target.pid], ebpf.DEFAULT_PROBES, backend=BackendStatus("bcc", True, "stand-in"),
+                            max_s=20).start()
+        assert run.backend.name == "bcc", run.failures
+        assert "BPF_HASH(fw_wait_since" in run.program
+        records, failures = run.stop()
+    finally:
+        target.kill()
+        target.wait()
+    assert not failures, failures
+    header, thread = records[0], records[1]
+    assert header["backend"] == "bcc" and header["wakes"] == [
+        {"pid": target.pid, "addr": 0xAB, "waker": target.pid, "calls": 5, "woken": 0}]
+    assert thread["tid"] == target.pid and thread["waits"] == 2 and thread["backend"] == "bcc"
+    assert run._proc.poll() is not None  # the runner exited on SIGINT
+
+
+# --- detach paths, against a stand-in bpftrace ---------------------------------------------
+
+FAKE_BPFTRACE = """#!/bin/sh
+# stand-in bpftrace: MODE on SIGINT (set before it says ready), then says ready
+MODE
+echo '{"type": "printf", "data": "wedgectl-probe-ready\\\\n"}'
+while :; do sleep 0.05; done
+"""
+
+
+@pytest.mark.parametrize("mode,want", [
+    ("trap 'exit 0' INT", "reported no results"),  # exits, prints no maps
+    ("trap '' INT", "did not exit within"),  # ignores SIGINT: killed
+])
+def test_stand_in_bpftrace_without_results_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      mode: str, want: str) -> None:
+    fake = tmp_path / "bpftrace"
+    fake.write_text(FAKE_BPFTRACE.replace("MODE", mode))
+    fake.chmod(0o755)
+    monkeypatch.setattr(ebpf.shutil, "which", lambda name: str(fake) if name == "bpftrace" else None)
+    monkeypatch.setattr(ebpf, "STOP_TIMEOUT_S", 1.0)
+    target = subprocess.Popen(["sleep", "30"])
+    try:
+        run = ebpf.ProbeRun([target.pid], ebpf.DEFAULT_PROBES, backend=BackendStatus("bpftrace", True, "stand-in"),
+                            max_s=20).start()
+        assert run.backend.name == "bpftrace" and run._proc.poll() is None
+        records, failures = run.stop()
+    finally:
+        target.kill()
+        target.wait()
+    assert run._proc.poll() is not None  # gone, one way or the other
+    header = records[0]
+    assert header["backend"] == "procfs" and any(want in f.message for f in failures), failures
+    assert any(s["backend"] == "bpftrace" and "reported no results" in s["reason"] for s in header["skipped"])
+    assert records[1]["wakes_on_addr"] is None  # no maps: no claim about wakes
+    assert run._tmp is None  # the program file is removed
