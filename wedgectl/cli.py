@@ -128,7 +128,7 @@ def repro(
     list_: Annotated[bool, typer.Option("--list", help="List the bundled repros.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the diagnosis object plus expected, pid and url.")] = False,
     keep: Annotated[bool, typer.Option("--keep", help="Leave the hung server running; print its pid and URL.")] = False,
-    patched: Annotated[bool, typer.Option("--patched", help="Run with the engine plugin's fixes on.")] = False,
+    patched: Annotated[bool, typer.Option("--patched", help="Run with the engine plugin's fixes on and check that nothing hangs; exit 0 only then.")] = False,
     python: Annotated[Optional[str], typer.Option("--python", help="Use this vLLM environment's python instead of the managed runtime.")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="Folder for the bundle, server log and client results.")] = None,
     window: Annotated[float, typer.Option("--window", help="Diagnosis window in seconds.")] = 6.0,
@@ -149,7 +149,23 @@ def repro(
     if python is None and not is_installed():
         say("the managed vLLM runtime is not installed; installing it (once, ~2 min)")
         install_runtime(progress=say)
-    result = run_repro(cfg, python=python, out_dir=out, keep=keep, patched=patched, window_s=window, progress=say)
+    # --- repro --patched (wedgectl/patched.py): with the fixes on, no hang config may hang -------------
+    if patched:
+        if keep:
+            raise typer.BadParameter("--patched ends every run with its own SIGTERM check; it cannot --keep")
+        from wedgectl.patched import patched_main_text, run_patched
+
+        outcome = run_patched(cfg, python=python, out_dir=out, progress=say)
+        if as_json:
+            from wedgectl.render import dumps
+
+            typer.echo(dumps(outcome.to_json()))
+        else:
+            for line in patched_main_text(outcome):
+                typer.echo(line)
+        raise typer.Exit(0 if outcome.passed else exitcodes.REPRO_FAILED)
+    # --- end repro --patched ------------------------------------------------------------------------
+    result = run_repro(cfg, python=python, out_dir=out, keep=keep, window_s=window, progress=say)
     if result.verdict is None:
         raise typer.Exit(exitcodes.REPRO_FAILED)
     if as_json:
@@ -245,6 +261,38 @@ def probes(
             typer.echo(f"could not: {f.kind.value}: {f.message}"[:200], err=True)
     raise typer.Exit(ebpf.EXIT_OK if records else ebpf.EXIT_FAILED)
 # --- end wedgectl probes ------------------------------------------------------
+
+
+# --- swap (wedgectl/swap.py) -------------------------------------------------------------------------
+@app.command()
+def swap(
+    pid: Annotated[int, typer.Option("--pid", help="Any pid of the running vLLM deployment (API server, EngineCore, Worker).")],
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and touch nothing.")] = False,
+    health_timeout: Annotated[float, typer.Option("--health-timeout", help="Seconds to wait for the new server's /health.")] = 600.0,
+    stop_grace: Annotated[float, typer.Option("--stop-grace", help="Seconds between SIGTERM and SIGKILL for the old server.")] = 15.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (secrets redacted).")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
+) -> None:
+    """Hot-swap a running vLLM server for the same command with the wedge_engine fixes on, same port.
+
+    Stops the old tree (SIGTERM, then SIGKILL), starts its command with WEDGE_ENGINE_FIXES=all, waits for /health and reports the downtime; if the patched server never gets healthy the original command is started again. Secrets are never printed.
+
+    Exit status: 0 swapped (or --dry-run); 43 the swap failed (rolled back where it could).
+    """
+    from wedgectl.swap import swap_deployment
+
+    say = (lambda _m: None) if quiet or as_json and not sys.stderr.isatty() else _progress
+    result = swap_deployment(pid, dry_run=dry_run, progress=say, health_timeout_s=health_timeout,
+                             stop_grace_s=stop_grace)
+    if as_json:
+        from wedgectl.render import dumps
+
+        typer.echo(dumps(result.to_json()))
+    else:
+        for line in result.lines():
+            typer.echo(line)
+    raise typer.Exit(0 if result.ok else exitcodes.SWAP_FAILED)
+# --- end swap ------------------------------------------------------------------------------------
 
 
 def _failure_summary(bundle, most: int = 6) -> list[dict]:

@@ -1,9 +1,10 @@
-"""The vllm.general_plugins entry point: checks the vLLM version and applies the selected fault.
+"""The vllm.general_plugins entry point: checks the vLLM version, then applies the selected fault and fixes.
 
 vLLM calls ``register()`` in every process it starts (API server, EngineCore,
 each Worker; ``vllm/plugins/__init__.py`` ``load_general_plugins``), so it is
 idempotent, cheap, and never raises into vLLM: a bad setting is one log line
-and nothing patched.
+and nothing patched. On a vLLM version it does not know it logs one warning
+and patches nothing, neither faults nor fixes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 
 from wedge_engine.faults import FAULT_ENV, FAULTS, FaultConfigError, load_fault
+from wedge_engine.fixes import FIXES, FixConfigError, load_fix, process_role, settings_from
 
 # A child of vLLM's "vllm" logger, so our lines go through vLLM's handler and
 # format and land in the server log next to the lines they explain.
@@ -109,10 +111,77 @@ def apply_from_environment(
     return name
 
 
+def apply_fixes_from_environment(
+    environ: Mapping[str, str],
+    vllm_version: str | None,
+    load: Callable[[str], ModuleType] = load_fix,
+    role: str | None = None,
+) -> tuple[str, ...]:
+    """Activate the fixes WEDGE_ENGINE_FIXES selects that concern this process; return their names.
+
+    The caller has checked the version (apply_from_environment logs the one
+    warning); an unknown version patches nothing here either. `load` is the seam
+    tests use to stand in for the fix modules.
+    """
+    if not is_known_version(vllm_version):
+        return ()
+    try:
+        settings = settings_from(environ)
+    except FixConfigError as e:
+        logger.error("wedge_engine: %s; patching no fix", e)
+        return ()
+    if not settings.fixes:
+        return ()
+    role = role or process_role()
+    applied: list[str] = []
+    described: list[str] = []
+    for name in FIXES:
+        if name not in settings.fixes:
+            continue
+        try:
+            module = load(name)
+            what = module.activate(settings, role)
+        except Exception:
+            # Version check passed but vLLM's internals do not look as expected.
+            logger.exception("wedge_engine: fix %s could not be activated in the %s process; it is off", name, role)
+            continue
+        if what:
+            applied.append(name)
+            described.append(f"{name} ({what})")
+    if described:
+        _log_fixes_active(role, "; ".join(described))
+    return tuple(applied)
+
+
+def _log_fixes_active(role: str, what: str) -> None:
+    line = ("wedge_engine: fixes active in the %s process (pid %d): %s", role, os.getpid(), what)
+    if role != "api" or logging.getLogger("vllm").handlers:
+        logger.info(*line)
+        return
+    # The API server loads plugins while building its argument parser, before
+    # vLLM configures logging (INFO would be dropped): say it once the engine client exists.
+    try:
+        from wedge_engine.fixes import _common
+
+        said: list[bool] = []
+
+        def say(_llm) -> None:
+            if not said:
+                said.append(True)
+                logger.info(*line)
+
+        _common.on_async_llm(say)
+    except Exception:
+        logger.warning(*line)
+
+
 def register() -> None:
     """vLLM's general-plugin hook; runs once per process, whatever vLLM does."""
     global _registered
     if _registered:
         return
     _registered = True
-    apply_from_environment(os.environ, read_vllm_version())
+    version = read_vllm_version()
+    apply_from_environment(os.environ, version)
+    if is_known_version(version):
+        apply_fixes_from_environment(os.environ, version)

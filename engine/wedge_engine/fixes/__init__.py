@@ -29,6 +29,7 @@ from types import ModuleType
 FIXES_ENV = "WEDGE_ENGINE_FIXES"
 WATCHDOG_ENV = "WEDGE_ENGINE_WATCHDOG_S"
 SHUTDOWN_ENV = "WEDGE_ENGINE_SHUTDOWN_S"
+HONEST_LEN_ENV = "WEDGE_ENGINE_HONEST_MAX_MODEL_LEN"
 
 # Application order: the status record first (the others read or count into it).
 FIXES: dict[str, str] = {
@@ -55,6 +56,9 @@ class FixSettings:
     fixes: frozenset[str] = frozenset()
     watchdog_s: float = DEFAULT_WATCHDOG_S
     shutdown_s: float = DEFAULT_SHUTDOWN_S
+    # The admission guard lowers an over-advertised max_model_len; "0" keeps
+    # vLLM's figure and leaves only the scheduler guard (tests of that guard).
+    honest_max_model_len: bool = True
 
     @property
     def needs_status_record(self) -> bool:
@@ -95,6 +99,17 @@ def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
+def _flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise FixConfigError(f"{name}={raw!r} is not 0 or 1")
+
+
 def settings_from(environ: Mapping[str, str]) -> FixSettings:
     """FixSettings from the environment; FixConfigError on an unknown fix or a bad number."""
     fixes, unknown = parse_fixes(environ.get(FIXES_ENV))
@@ -107,6 +122,7 @@ def settings_from(environ: Mapping[str, str]) -> FixSettings:
         fixes=fixes,
         watchdog_s=_seconds(environ, WATCHDOG_ENV, DEFAULT_WATCHDOG_S),
         shutdown_s=_seconds(environ, SHUTDOWN_ENV, DEFAULT_SHUTDOWN_S),
+        honest_max_model_len=_flag(environ, HONEST_LEN_ENV, True),
     )
 
 
@@ -128,6 +144,7 @@ def load_fix(name: str) -> ModuleType:
 __all__ = [
     "FIXES",
     "FIXES_ENV",
+    "HONEST_LEN_ENV",
     "SHUTDOWN_ENV",
     "WATCHDOG_ENV",
     "FixConfigError",

@@ -1,0 +1,427 @@
+"""Running each hang repro with the engine plugin's fixes on, and checking that nothing hangs (`repro --patched`).
+
+The server gets the config's fault as before plus ``WEDGE_ENGINE_FIXES=all``.
+What "no hang" means depends on the hang class the config reproduces:
+
+* admission_wedge: every request ends in an HTTP error within
+  ADMISSION_BOUND_S whose body states the tokens or blocks needed and available;
+* engine_deadlock: the watchdog fails every request with an HTTP error and
+  /health turns 503, both within the watchdog limit plus WATCHDOG_SLACK_S;
+* shutdown_hang: SIGTERM while the stalled generation and the half-sent upload
+  are open; the generation's client gets an HTTP error and the server exits,
+  both within the shutdown bound, and the upload's connection is closed;
+* starved, progressing: every request completes (HTTP 200);
+* idle: nothing to check before the SIGTERM.
+
+Every config ends with a SIGTERM to the API server; its exit time must be
+within the shutdown bound. Each check is a `Check` with its measured time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from wedgectl.repro import (
+    ReproConfig,
+    Workload,
+    _scrape,
+    ensure_engine_plugin,
+    symptom_reached,
+)
+
+# Settings the patched server runs with. The watchdog limit is small so a repro
+# ends quickly, and larger than any healthy gap between model steps here.
+WATCHDOG_S = 8.0
+SHUTDOWN_S = 10.0
+PATCHED_ENV = {
+    "WEDGE_ENGINE_FIXES": "all",
+    "WEDGE_ENGINE_WATCHDOG_S": f"{WATCHDOG_S:g}",
+    "WEDGE_ENGINE_SHUTDOWN_S": f"{SHUTDOWN_S:g}",
+}
+
+ADMISSION_BOUND_S = 5.0  # an unadmittable request's error (measured: ~0.01 s at admission)
+WATCHDOG_SLACK_S = 4.0  # the watchdog polls every <= 1 s; the client and /health poll add the rest
+EXIT_SLACK_S = 0.5  # measurement slack on the SIGTERM -> exit bound
+COMPLETION_BOUND_S = {"starved": 240.0, "progressing": 60.0}
+STREAM_S = 8.0  # how long the healthy control streams
+IDLE_S = 2.0
+
+# "blocks" / "tokens" / "max_model_len=96": a body that says what was needed and what is available.
+_CAPACITY_WORDS = re.compile(r"block|token|max_model_len", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One no-hang condition and whether it held."""
+
+    name: str
+    passed: bool
+    detail: str
+    seconds: float | None = None
+
+
+@dataclass
+class Observation:
+    """What a patched run saw: the raw material the checks judge."""
+
+    client: list[dict[str, Any]] = field(default_factory=list)
+    health_503_after_s: float | None = None  # since the workload started
+    exit_s: float | None = None  # SIGTERM -> API server exit
+    tree_exit_s: float | None = None  # SIGTERM -> every process of the tree gone
+    upload_closed: bool | None = None  # the half-sent upload's socket was closed by the server
+    answered_after_sigterm_s: list[float] = field(default_factory=list)  # each response that came after SIGTERM
+    answered_before_sigterm: int | None = None  # how many of `client` were in before the SIGTERM
+    watchdog_s: float = WATCHDOG_S
+    shutdown_s: float = SHUTDOWN_S
+
+
+@dataclass
+class PatchedResult:
+    config: ReproConfig
+    checks: list[Check]
+    observation: Observation
+    pid: int | None
+    url: str | None
+    log_path: Path | None
+    notes: list[str]
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c.passed for c in self.checks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "repro": self.config.name,
+            "expected": self.config.expected,
+            "passed": self.passed,
+            "checks": [asdict(c) for c in self.checks],
+            "observation": asdict(self.observation),
+            "pid": self.pid,
+            "url": self.url,
+            "log": str(self.log_path) if self.log_path else None,
+            "notes": self.notes,
+        }
+
+
+# ------------------------------------------------------------------ the checks (pure)
+
+
+def _requests(obs: Observation) -> list[dict[str, Any]]:
+    return [r for r in obs.client if not r.get("stalled_upload")]
+
+
+def states_capacity(body: str) -> bool:
+    """Whether an error body says what was needed and what is available (two figures, blocks/tokens)."""
+    return bool(_CAPACITY_WORDS.search(body)) and len(re.findall(r"\d+", body)) >= 2
+
+
+def check_errors_within(obs: Observation, bound_s: float, name: str, need_capacity: bool = False) -> Check:
+    reqs = _requests(obs)
+    if not reqs:
+        return Check(name, False, "no request finished (the client is still waiting: a hang)")
+    bad = [r for r in reqs if not (400 <= int(r.get("status", 0)) < 600) or r.get("elapsed_s", 1e9) > bound_s]
+    if need_capacity:
+        bad += [r for r in reqs if r not in bad and not states_capacity(r.get("body", ""))]
+    worst = max(r.get("elapsed_s", 0.0) for r in reqs)
+    if bad:
+        r = bad[0]
+        return Check(name, False, f"{len(bad)} of {len(reqs)} request(s) did not get a clear HTTP error within "
+                                  f"{bound_s:g} s: {_summary(r)}", worst)
+    codes = sorted({int(r["status"]) for r in reqs})
+    return Check(name, True, f"{len(reqs)} request(s) got HTTP {'/'.join(map(str, codes))} in {worst:.2f} s "
+                             f"(bound {bound_s:g} s): {_body_message(reqs[0])}", worst)
+
+
+def check_shutdown_errors(obs: Observation) -> Check:
+    """The requests held open at SIGTERM get an HTTP error, within the bound of the signal."""
+    name = "error on shutdown"
+    reqs = _requests(obs)
+    if not reqs:
+        return Check(name, False, "the held request's client never got a response (a hang)")
+    bad = [r for r in reqs if not (400 <= int(r.get("status", 0)) < 600)]
+    late = max(obs.answered_after_sigterm_s, default=None)
+    if bad:
+        return Check(name, False, f"{len(bad)} of {len(reqs)} held request(s) got no HTTP error: {_summary(bad[0])}", late)
+    if late is None or late > obs.shutdown_s:
+        return Check(name, False, f"the held request(s) were answered {late} s after SIGTERM "
+                                  f"(bound {obs.shutdown_s:g} s)", late)
+    codes = sorted({int(r["status"]) for r in reqs})
+    return Check(name, True, f"{len(reqs)} held request(s) got HTTP {'/'.join(map(str, codes))} {late:.2f} s after "
+                             f"SIGTERM: {_body_message(reqs[0])}", late)
+
+
+def check_completions(obs: Observation, bound_s: float, name: str = "completions") -> Check:
+    """Every request answered before the SIGTERM completed (those the SIGTERM met get 503 by design)."""
+    before = obs.client if obs.answered_before_sigterm is None else obs.client[: obs.answered_before_sigterm]
+    reqs = [r for r in before if not r.get("stalled_upload")]
+    if not reqs:
+        return Check(name, False, "no request finished")
+    bad = [r for r in reqs if r.get("status") != 200 or r.get("elapsed_s", 1e9) > bound_s]
+    worst = max(r.get("elapsed_s", 0.0) for r in reqs)
+    if bad:
+        return Check(name, False, f"{len(bad)} of {len(reqs)} request(s) did not complete: {_summary(bad[0])}", worst)
+    return Check(name, True, f"{len(reqs)} request(s) completed with HTTP 200, the slowest in {worst:.1f} s", worst)
+
+
+def check_health_503(obs: Observation, bound_s: float) -> Check:
+    if obs.health_503_after_s is None:
+        return Check("health 503", False, f"/health never answered 503 (watchdog limit {obs.watchdog_s:g} s)")
+    ok = obs.health_503_after_s <= bound_s
+    return Check("health 503", ok, f"/health answered 503 after {obs.health_503_after_s:.1f} s "
+                                   f"({'within' if ok else 'beyond'} {bound_s:g} s)", obs.health_503_after_s)
+
+
+def check_exit(obs: Observation) -> Check:
+    bound = obs.shutdown_s + EXIT_SLACK_S
+    if obs.exit_s is None:
+        return Check("exit on SIGTERM", False, f"the API server did not exit within {bound:g} s of SIGTERM")
+    ok = obs.exit_s <= bound
+    tree = f", whole tree {obs.tree_exit_s:.2f} s" if obs.tree_exit_s is not None else ""
+    return Check("exit on SIGTERM", ok, f"the API server exited {obs.exit_s:.2f} s after SIGTERM{tree} "
+                                        f"(bound {obs.shutdown_s:g} s)", obs.exit_s)
+
+
+def check_upload_closed(obs: Observation) -> Check:
+    ok = bool(obs.upload_closed)
+    return Check("upload connection closed", ok,
+                 "the half-sent upload's connection was closed by the server" if ok
+                 else "the half-sent upload's connection is still open")
+
+
+def evaluate(expected: str, obs: Observation) -> list[Check]:
+    """The no-hang checks for a config reproducing `expected` (a VerdictKind value)."""
+    checks: list[Check] = []
+    if expected == "admission_wedge":
+        checks.append(check_errors_within(obs, ADMISSION_BOUND_S, "clear error", need_capacity=True))
+    elif expected == "engine_deadlock":
+        bound = obs.watchdog_s + WATCHDOG_SLACK_S
+        checks.append(check_errors_within(obs, bound, "watchdog error"))
+        checks.append(check_health_503(obs, bound))
+    elif expected == "shutdown_hang":
+        checks.append(check_shutdown_errors(obs))
+        if any(r.get("stalled_upload") for r in obs.client):
+            checks.append(check_upload_closed(obs))
+    elif expected in COMPLETION_BOUND_S:
+        checks.append(check_completions(obs, COMPLETION_BOUND_S[expected]))
+    checks.append(check_exit(obs))
+    checks.append(check_all_answered(obs))
+    return checks
+
+
+def check_all_answered(obs: Observation) -> Check:
+    """No client is left without a response at the end (the server has exited by then)."""
+    reqs = _requests(obs)
+    bad = [r for r in reqs if "status" not in r]
+    if bad:
+        return Check("every client answered", False,
+                     f"{len(bad)} of {len(reqs)} request(s) got no HTTP response: {_summary(bad[0])}")
+    return Check("every client answered", True, f"{len(reqs)} request(s), each got an HTTP response")
+
+
+def _body_message(result: dict[str, Any]) -> str:
+    body = result.get("body", "")
+    try:
+        return str(json.loads(body)["error"]["message"])[:240]
+    except (ValueError, KeyError, TypeError):
+        return body[:240]
+
+
+def _summary(result: dict[str, Any]) -> str:
+    if "error" in result:
+        return f"{result['error']} after {result.get('elapsed_s')} s"
+    return f"HTTP {result.get('status')} after {result.get('elapsed_s')} s: {_body_message(result)[:160]}"
+
+
+# ------------------------------------------------------------------ the run
+
+
+def run_patched(
+    cfg: ReproConfig,
+    python: str | None = None,
+    out_dir: Path | None = None,
+    progress: Callable[[str], None] = lambda _m: None,
+    extra_env: dict[str, str] | None = None,
+) -> PatchedResult:
+    """Start the config's server with the fixes on, drive its workload, check that nothing hangs, SIGTERM it."""
+    from wedgectl.runtime.install import runtime_python
+    from wedgectl.runtime.launcher import ServerSpec, free_port, start_server, stop_server
+    from wedgectl.runtime.tinymodel import ensure_tiny_model
+
+    py = runtime_python(python)
+    ensure_engine_plugin(py, progress)
+    model = ensure_tiny_model(py)
+    out_dir = out_dir or Path.cwd() / "wedgectl-repro" / f"{cfg.name}-patched"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / "server.log"
+    if log_path.exists():
+        log_path.unlink()
+    env = {**cfg.env, **PATCHED_ENV, **(extra_env or {})}
+    obs = Observation(watchdog_s=float(env["WEDGE_ENGINE_WATCHDOG_S"]), shutdown_s=float(env["WEDGE_ENGINE_SHUTDOWN_S"]))
+    spec = ServerSpec(model=model, port=free_port(), extra_args=cfg.flags, env=env)
+    progress(f"starting patched vLLM ({' '.join(cfg.flags) or 'default flags'}; "
+             f"{', '.join(f'{k}={v}' for k, v in env.items())})")
+    t0 = time.monotonic()
+    server = start_server(spec, py, log_path)
+    progress(f"server pid {server.pid} healthy at {server.url} after {time.monotonic() - t0:.0f} s")
+    notes: list[str] = []
+    workload = Workload(server.url, cfg, hold_s=max(120.0, COMPLETION_BOUND_S.get(cfg.expected, 0) + 30))
+    try:
+        _drive(cfg, server, workload, obs, progress, notes)
+        _drain_stream(workload)
+        obs.answered_before_sigterm = len(workload.results)
+        progress(f"sending SIGTERM to the API server pid {server.pid}")
+        t_sig = time.monotonic()
+        watcher = _ResultWatcher(workload, t_sig)
+        os.kill(server.pid, signal.SIGTERM)
+        try:
+            server.popen.wait(timeout=obs.shutdown_s + 15)
+            obs.exit_s = round(time.monotonic() - t_sig, 3)
+        except subprocess.TimeoutExpired:  # the hang the fix exists to end
+            notes.append("the API server outlived SIGTERM + bound + 15 s")
+        obs.tree_exit_s = round(time.monotonic() - t_sig + stop_server(server, grace=5), 3)
+        if cfg.expected == "shutdown_hang":
+            _wait_results(workload, sum(s.count for s in cfg.requests), 5.0)
+        obs.answered_after_sigterm_s = watcher.stop()
+        obs.upload_closed = _upload_closed(workload)
+        progress(f"SIGTERM -> exit {obs.exit_s} s")
+    finally:
+        stop_server(server, grace=5)
+        workload.stop(join_s=2.0)
+    obs.client = list(workload.results)
+    checks = evaluate(cfg.expected, obs)
+    (out_dir / "client.json").write_text(json.dumps(obs.client, indent=2))
+    result = PatchedResult(cfg, checks, obs, server.pid, server.url, log_path, notes)
+    (out_dir / "patched.json").write_text(json.dumps(result.to_json(), indent=2))
+    return result
+
+
+def _drive(cfg: ReproConfig, server: Any, workload: Workload, obs: Observation,
+           progress: Callable[[str], None], notes: list[str]) -> None:
+    """Run the workload until the config's outcome is in (or its bound passes)."""
+    expected = cfg.expected
+    n_requests = sum(s.count for s in cfg.requests if not s.stalled_upload)
+    if expected == "admission_wedge":
+        bound = ADMISSION_BOUND_S + 2
+    elif expected == "engine_deadlock":
+        bound = obs.watchdog_s + WATCHDOG_SLACK_S + 2
+    elif expected == "progressing":
+        bound = STREAM_S
+    elif expected in COMPLETION_BOUND_S:
+        bound = COMPLETION_BOUND_S[expected] + 5
+    elif expected == "shutdown_hang":
+        bound = cfg.timeout_s
+    else:
+        bound = IDLE_S
+    start = time.monotonic()
+    workload.start_now()
+    history: list[tuple[float, Any]] = []
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() - start < bound:
+            snap = _scrape(client, server.url)
+            if snap is not None:
+                history.append((time.monotonic(), snap))
+                workload.start_later(snap.generation_tokens or 0)
+            if obs.health_503_after_s is None and _health(client, server.url) == 503:
+                obs.health_503_after_s = round(time.monotonic() - start, 2)
+            done = len([r for r in workload.results if not r.get("stalled_upload")])
+            if expected == "shutdown_hang":
+                if symptom_reached(cfg.until, history, cfg.settle_s) and workload.start_later(0):
+                    progress(f"symptom {cfg.until!r} established after {time.monotonic() - start:.1f} s")
+                    return
+            elif expected == "engine_deadlock":
+                if done >= n_requests and obs.health_503_after_s is not None:
+                    return
+            elif expected not in ("progressing", "idle") and n_requests and done >= n_requests:
+                return
+            time.sleep(0.25)
+    if expected not in ("progressing", "idle"):
+        notes.append(f"outcome not complete within {bound:.0f} s")
+        progress(notes[-1])
+
+
+def _health(client: httpx.Client, url: str) -> int | None:
+    try:
+        return client.get(f"{url}/health").status_code
+    except httpx.HTTPError:
+        return None
+
+
+class _ResultWatcher:
+    """Times each client response that arrives after SIGTERM (the workload records only durations)."""
+
+    def __init__(self, workload: Workload, t0: float) -> None:
+        import threading
+
+        self._workload, self._t0 = workload, t0
+        self._seen = len(workload.results)
+        self._times: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            n = len(self._workload.results)
+            if n > self._seen:
+                self._times += [round(time.monotonic() - self._t0, 3)] * (n - self._seen)
+                self._seen = n
+            time.sleep(0.02)
+
+    def stop(self) -> list[float]:
+        self._stop.set()
+        self._thread.join(timeout=1)
+        return list(self._times)
+
+
+def _drain_stream(workload: Workload, timeout_s: float = 10.0) -> None:
+    """Stop the healthy stream and let its requests in flight complete, so the SIGTERM meets a quiet server."""
+    if workload.cfg.stream is None:
+        return
+    workload._stop.set()
+    deadline = time.monotonic() + timeout_s
+    for t in workload._threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _wait_results(workload: Workload, n: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(workload.results) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _upload_closed(workload: Workload) -> bool | None:
+    """Whether the server closed each half-sent upload's socket (EOF or reset); None when there was none."""
+    socks = list(workload._sockets)
+    if not socks:
+        return None
+    for sock in socks:
+        try:
+            sock.settimeout(1.0)
+            while sock.recv(4096):
+                pass  # a response body, then EOF
+        except (TimeoutError, socket.timeout):
+            return False
+        except OSError:
+            continue  # reset: closed
+    return True
+
+
+def patched_main_text(result: PatchedResult) -> list[str]:
+    lines = [f"repro {result.config.name} --patched: {'no hang' if result.passed else 'HANG OR UNCLEAR FAILURE'}"]
+    for c in result.checks:
+        lines.append(f"  {'ok  ' if c.passed else 'FAIL'} {c.name}: {c.detail}"[:400])
+    lines.append(f"server log: {result.log_path}")
+    lines += [f"note: {n}" for n in result.notes]
+    return lines
