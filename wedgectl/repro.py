@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -303,7 +304,11 @@ def ensure_engine_plugin(python: Path, progress: Callable[[str], None]) -> None:
         capture_output=True, text=True, timeout=60,
     )
     want = _engine_version()
-    if probe.returncode == 0 and probe.stdout.strip() == want and not os.environ.get("WEDGECTL_REINSTALL_ENGINE"):
+    marker = _engine_marker(python)
+    source = _engine_source_hash()
+    installed = marker.read_text().strip() if marker.exists() else ""
+    if (probe.returncode == 0 and probe.stdout.strip() == want and installed == source
+            and not os.environ.get("WEDGECTL_REINSTALL_ENGINE")):
         return
     if not (ENGINE_DIR / "pyproject.toml").exists():
         raise ReproError(f"the engine plugin source is not at {ENGINE_DIR}; install wedgectl-engine into {python}'s env")
@@ -318,6 +323,26 @@ def ensure_engine_plugin(python: Path, progress: Callable[[str], None]) -> None:
         )
     if r.returncode != 0:
         raise ReproError(f"pip could not install the engine plugin: {r.stderr.strip().splitlines()[-1:]}")
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(source + "\n")
+
+
+def _engine_source_hash() -> str:
+    """A digest of engine/'s sources: a change reinstalls the plugin even at the same version."""
+    h = hashlib.sha256()
+    for path in sorted(ENGINE_DIR.rglob("*")):
+        if path.is_file() and path.suffix in (".py", ".toml") and "build" not in path.parts:
+            h.update(str(path.relative_to(ENGINE_DIR)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _engine_marker(python: Path) -> Path:
+    """Where we note which engine/ sources were installed into that interpreter's environment."""
+    from wedgectl.runtime.install import cache_dir
+
+    key = hashlib.sha256(str(Path(python).absolute()).encode()).hexdigest()[:16]
+    return cache_dir() / "engine-installed" / f"{key}.txt"
 
 
 def _engine_version() -> str:
