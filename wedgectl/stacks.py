@@ -43,7 +43,10 @@ def frame_names(thread: Thread) -> list[str]:
     """'function (file:line)' for each frame, innermost first (py-spy's order)."""
     out = []
     for f in thread.get("frames") or ():
-        out.append(f"{f.get('name', '?')} ({f.get('short_filename') or f.get('filename', '?')}:{f.get('line', '?')})")
+        filename = f.get("short_filename") or f.get("filename") or "?"
+        line = f.get("line")
+        where = f"{filename}:{line}" if line else filename
+        out.append(f"{f.get('name', '?')} ({where})")
     return out
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from wedgectl.collect._failures import permission_hint
+from wedgectl.stacks import frame_names  # re-exported: one reading of py-spy frames
 from wedgectl.types import CollectorFailure, FailureKind, StackDump
 
 COLLECTOR = "pyspy"
@@ -131,17 +132,6 @@ def dump_stacks(
     except ValueError as exc:
         return StackDump(pid, t, native, error=_error(FailureKind.BAD_DATA, f"unreadable py-spy JSON: {exc}"))
     return StackDump(pid, t, native, threads=threads)
-
-
-def frame_names(thread: dict[str, Any]) -> list[str]:
-    """'function (file:line)' for each frame, innermost first (py-spy's order)."""
-    out = []
-    for f in thread.get("frames") or ():
-        filename = f.get("short_filename") or f.get("filename") or "?"
-        line = f.get("line")
-        where = f"{filename}:{line}" if line else filename
-        out.append(f"{f.get('name', '?')} ({where})")
-    return out
 
 
 def thread_for_tid(dump: StackDump, tid: int) -> dict[str, Any] | None:
