@@ -1,0 +1,1 @@
+"""eBPF probes, one tool per module in the bcc tools' manner (installed as `wedgectl.probes`)."""
