@@ -49,14 +49,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from wedgectl.repro import ENGINE_DIR  # noqa: E402
 from wedgectl.runtime.install import runtime_python  # noqa: E402
-from wedgectl.runtime.launcher import Server, ServerSpec, free_port, start_server, stop_server  # noqa: E402
+from wedgectl.runtime import Server, ServerSpec, free_port, start_server, stop_server  # noqa: E402
 from wedgectl.runtime.tinymodel import ensure_tiny_model  # noqa: E402
+from wedgectl.plugin import FIXES_ENV  # noqa: E402
+
+ENGINE_DIR = Path(__file__).resolve().parents[1] / "engine"  # this checkout's plugin source
 
 # Stock is upstream vLLM: no general plugin loads at all (VLLM_PLUGINS is an allow-list; "" allows none).
 STOCK_ENV = {"VLLM_PLUGINS": ""}
-PATCHED_ENV = {"WEDGE_ENGINE_FIXES": "all"}
+PATCHED_ENV = dict(FIXES_ENV)
 OVERHANG_FLAGS = ("--num-gpu-blocks-override", "4", "--max-model-len", "-1")
 OVERHANG_ENV = {"WEDGE_ENGINE_FAULT": "admission-overhang", "WEDGE_ENGINE_FIXES": "all"}
 UNADMITTABLE = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 110,

@@ -29,9 +29,9 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from wedgectl.collect import ebpf  # noqa: E402
+from wedgectl import probes as programs
+from wedgectl.collect import ebpf, ebpfhost
+from wedgectl.types import ProbeResult, ThreadProbe
 
 WORKLOAD = r"""
 import queue, sys, threading, time
@@ -123,13 +123,14 @@ def phase(work: Workload, seconds: float, probes: tuple[str, ...] | None, backen
         rate, us, _ = measured(lambda: time.sleep(seconds))
     finally:
         records, failures = run.stop()
-    header = records[0] if records else {}
-    threads = [r for r in records if r.get("kind") == "thread"]
-    window = header.get("window_s") or seconds
-    waits = sum(r.get("waits") or 0 for r in threads)
-    wakes = sum(w["calls"] for w in header.get("wakes", ()))
-    return {"rate": rate, "us_per_op": us, "backend": header.get("backend"), "futex_per_s": (waits + wakes) / window,
-            "pylock_per_s": sum(r.get("pylock_waits") or 0 for r in threads) / window,
+    header = next((r for r in records if isinstance(r, ProbeResult)), None)
+    threads = [r for r in records if isinstance(r, ThreadProbe)]
+    window = (header.window_s if header else 0.0) or seconds
+    waits = sum(t.waits or 0 for t in threads)
+    wakes = sum(w.calls for w in header.wakes) if header else 0
+    return {"rate": rate, "us_per_op": us, "backend": header.backend if header else None,
+            "futex_per_s": (waits + wakes) / window,
+            "pylock_per_s": sum(t.pylock_waits or 0 for t in threads) / window,
             "failures": [f.message for f in failures]}
 
 
@@ -155,14 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-pylocks", action="store_true", help="skip the pylockwait (uprobe) configuration")
     args = p.parse_args(argv)
 
-    statuses = ebpf.detect_backends(ebpf.ALL_PROBES)
-    chosen = ebpf.choose_backend([s for s in statuses if args.backend in ("auto", s.name)])
+    statuses = ebpfhost.detect_backends(programs.ALL_PROBES)
+    chosen = ebpfhost.choose_backend([s for s in statuses if args.backend in ("auto", s.name)])
     print(f"back-end: {chosen.name if chosen else 'none'} ({chosen.reason if chosen else ''})")
-    configs: list[tuple[str, tuple[str, ...]]] = [("futexwait+offcpu", ebpf.DEFAULT_PROBES)]
+    configs: list[tuple[str, tuple[str, ...]]] = [("futexwait+offcpu", programs.DEFAULT_PROBES)]
     if args.each:
         configs = [("futexwait", ("futexwait",)), ("offcpu", ("offcpu",)), *configs]
     if not args.no_pylocks and args.backend != "procfs":
-        configs.append(("+pylockwait", ebpf.ALL_PROBES))
+        configs.append(("+pylockwait", programs.ALL_PROBES))
     work = Workload(args.pairs, args.work)
     try:
         time.sleep(1.5)  # threads started, rate settled

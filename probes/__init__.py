@@ -1,1 +1,28 @@
-"""eBPF probes, one tool per module in the bcc tools' manner (installed as `wedgectl.probes`)."""
+"""eBPF probes, one tool per module in the bcc tools' manner (installed as `wedgectl.probes`).
+
+Each module owns its program text (bpftrace, and C for bcc), its map names and
+the parser of its maps, and runs on its own: `python -m wedgectl.probes.futexwait -p PID`.
+wedgectl/collect/ebpf.py composes them into one program and runs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+DEFAULT_PROBES = ("futexwait", "offcpu")
+ALL_PROBES = ("futexwait", "offcpu", "pylockwait")  # pylockwait is opt-in: its uprobe costs every Python process
+
+# the tools' exit status, shared by `wedgectl probes`
+EXIT_OK, EXIT_USAGE, EXIT_NO_BACKEND, EXIT_PERMISSION, EXIT_GONE, EXIT_FAILED = 0, 2, 3, 4, 5, 6
+
+
+def load_probe(name: str) -> ModuleType:
+    """The probe module NAME (one of ALL_PROBES)."""
+    if name not in ALL_PROBES:
+        raise ValueError(f"no probe {name!r}; there are {', '.join(ALL_PROBES)}")
+    return importlib.import_module(f"wedgectl.probes.{name}")
+
+
+__all__ = ["ALL_PROBES", "DEFAULT_PROBES", "EXIT_FAILED", "EXIT_GONE", "EXIT_NO_BACKEND", "EXIT_OK",
+           "EXIT_PERMISSION", "EXIT_USAGE", "load_probe"]

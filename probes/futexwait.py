@@ -10,7 +10,7 @@ often, and how many waiters those calls woke.
 A thread parked since *before* the probe attached fires no sys_enter_futex in
 the window. Its wait start comes from /proc/PID/task/TID/sched `se.exec_start`
 (the last time it ran, on the scheduler's clock, calibrated per CPU against
-CLOCK_MONOTONIC): see wedgectl/collect/ebpf.py and probes/README.md.
+CLOCK_MONOTONIC): see wedgectl/collect/procfs.py and probes/README.md.
 
 Overhead, measured with bench/probe_overhead.py (4 Python thread pairs
 ping-ponging through queue.Queue, ~440k futex calls/s, 2 vCPUs loaded by other
@@ -29,8 +29,12 @@ Exit status: 0 traced; 2 usage; 3 no back-end can run here (reason printed);
 
 from __future__ import annotations
 
-import argparse
 import sys
+from typing import Any
+
+from wedgectl.probes import _tool
+from wedgectl.probes._window import Maps, Window, rounded, table
+from wedgectl.types import WakeCall
 
 NAME = "futexwait"
 SUMMARY = "futex waits per thread (address, start, count, total) and FUTEX_WAKE calls per address"
@@ -45,6 +49,7 @@ WAIT_CMDS = (0, 6, 9, 11, 13)  # WAIT, LOCK_PI, WAIT_BITSET, WAIT_REQUEUE_PI, LO
 WAKE_CMDS = (1, 3, 4, 5, 7, 10, 12)  # WAKE, REQUEUE, CMP_REQUEUE, WAKE_OP, UNLOCK_PI, WAKE_BITSET, CMP_REQUEUE_PI
 
 # Map names the program fills; the collector reads them by these names.
+MAX_WAKES_REPORTED = 256
 MAPS = ("fw_wait_since", "fw_wait_addr", "fw_nwaits", "fw_wait_ns", "fw_carried",
         "fw_wakes", "fw_woken", "fw_busy")
 
@@ -173,39 +178,86 @@ TRACEPOINT_PROBE(syscalls, sys_exit_futex)
 BCC_CLEAR = ("fw_busy",)
 
 EPILOG = """examples:
-    ./futexwait.py -p 4101              # futex waits of pid 4101 and its children, 5 s
-    ./futexwait.py -p 4101,4107 -d 10   # these two processes only, 10 s
-    ./futexwait.py -p 4101 --json       # one JSON object per thread (and a header)
-    ./futexwait.py -p 4101 --backend procfs   # no eBPF: /proc's view, wait durations from se.exec_start
-    ./futexwait.py -p 4101 --ebpf       # print the bpftrace program and exit (no root needed)
-    ./futexwait.py -p 4101 --ebpf --backend bcc   # print the BPF C text for bcc
+    python -m wedgectl.probes.futexwait -p 4101              # pid 4101 and its children, 5 s
+    python -m wedgectl.probes.futexwait -p 4101,4107 -d 10   # these two processes only, 10 s
+    python -m wedgectl.probes.futexwait -p 4101 --json       # a JSON header, then one object per thread
+    python -m wedgectl.probes.futexwait -p 4101 --backend procfs   # no eBPF: /proc's view, no wakes
+    python -m wedgectl.probes.futexwait -p 4101 --ebpf       # print the bpftrace program (no root needed)
+    python -m wedgectl.probes.futexwait -p 4101 --ebpf --backend bcc   # print the BPF C text for bcc
 """
 
 
-def parse_args(argv: list[str] | None = None, prog: str = "futexwait.py", epilog: str = EPILOG,
-               description: str | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=description or SUMMARY, epilog=epilog,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-p", "--pid", required=True,
-                   help="pid(s) to trace, comma-separated; each one's descendants are traced too")
-    p.add_argument("-d", "--duration", type=float, default=5.0, help="seconds to trace (default 5, at most 300)")
-    p.add_argument("--backend", choices=("auto", "bcc", "bpftrace", "procfs"), default="auto",
-                   help="force a back-end (default: the best this host supports)")
-    p.add_argument("--max-entries", type=int, default=4096, help="entries per BPF map (default 4096)")
-    p.add_argument("--no-children", action="store_true", help="trace the given pids only, not their descendants")
-    p.add_argument("--json", action="store_true", help="print JSON lines: a header, then one object per thread")
-    p.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+# --- reading the maps back ------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None, probes: tuple[str, ...] = (NAME,), **kw) -> int:
-    args = parse_args(argv, **kw)
-    try:
-        from wedgectl.collect import ebpf
-    except ImportError:  # pragma: no cover - run from a checkout without wedgectl installed
-        sys.path.insert(0, __file__.rsplit("/", 2)[0])
-        from wedgectl.collect import ebpf
-    return ebpf.tool_main(args, probes)
+def thread_fields(maps: Maps, w: Window, traced: bool) -> dict[int, dict[str, Any]]:
+    """tid -> the ThreadProbe fields this probe fills: the wait each thread is in at the end of the window.
+
+    traced is False where the program did not run (the procfs back-end): the
+    address and start then come from /proc alone, and waits and wakes are None.
+    A wait begun in the window starts at its tracepoint; one begun before the
+    attach starts at se.exec_start (calibrated), or, without it, at the window.
+    """
+    wakes: dict[tuple[int, int], dict[int, int]] = {}
+    for key, calls in table(maps, "fw_wakes").items():
+        if isinstance(key, tuple) and len(key) == 3:
+            wakes.setdefault((key[0], key[1]), {})[key[2]] = int(calls)
+    since_map, addr_map = table(maps, "fw_wait_since"), table(maps, "fw_wait_addr")
+    nwaits, carried, wait_ns = table(maps, "fw_nwaits"), table(maps, "fw_carried"), table(maps, "fw_wait_ns")
+    out: dict[int, dict[str, Any]] = {}
+    for tid, st in w.end_states.items():
+        st0 = w.start_states.get(tid)
+        addr = start = None
+        source = ""
+        ref = w.end
+        since = since_map.get(tid) if traced else None
+        if since:
+            addr, start, source = int(addr_map.get(tid, 0)) or st.futex_addr, since / 1e9, "tracepoint"
+        elif st.in_futex_wait:
+            addr, ref = st.futex_addr, w.end_read_at
+            es = w.exec_start_mono(st)
+            if es is not None:
+                start, source = es, "sched"
+            elif st0 is not None and st0.in_futex_wait and st0.futex_addr == addr:
+                start, source = w.begin, "window"
+        ran = None
+        if st0 is not None and st0.exec_start_s is not None and st.exec_start_s is not None:
+            ran = st0.exec_start_s != st.exec_start_s
+        events = traced and (tid in nwaits or tid in carried)
+        parked = bool(addr is not None and source in ("sched", "window") and st0 is not None
+                      and st0.in_futex_wait and st0.futex_addr == addr and ran is not True and not events)
+        waits = total = wake_calls = None
+        wakers: tuple[int, ...] = ()
+        if traced:
+            waits = int(nwaits.get(tid, 0))
+            total = wait_ns.get(tid, 0) / 1e9
+            if start is not None:
+                total += max(0.0, min(w.end, ref) - max(start, w.begin))
+            total = min(total, w.seconds)
+            if addr is not None:
+                by = wakes.get((st.pid, addr), {})
+                wake_calls, wakers = sum(by.values()), tuple(sorted(by))
+        out[tid] = {
+            "futex_addr": addr,
+            "wait_s": rounded(max(0.0, ref - start)) if start is not None else None,
+            "wait_started": rounded(start + w.wall_offset, 3) if start is not None else None,
+            "wait_source": source, "parked_throughout": parked,
+            "waits": waits, "total_wait_s": rounded(total), "wakes_on_addr": wake_calls, "wakers": wakers,
+        }
+    return out
+
+
+def wake_table(maps: Maps, most: int = MAX_WAKES_REPORTED) -> tuple[WakeCall, ...]:
+    """Who called a wake op on which address, most calls first."""
+    woken = table(maps, "fw_woken")
+    rows = [WakeCall(pid=k[0], addr=k[1], waker=k[2], calls=int(calls), woken=int(woken.get((k[0], k[1]), 0)))
+            for k, calls in table(maps, "fw_wakes").items() if isinstance(k, tuple) and len(k) == 3]
+    rows.sort(key=lambda r: (-r.calls, r.pid, r.addr, r.waker))
+    return tuple(rows[:most])
+
+
+def main(argv: list[str] | None = None) -> int:
+    return _tool.main(argv, (NAME,), prog="futexwait", summary=SUMMARY, epilog=EPILOG)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,10 @@ Exit status: 0 traced; 2 usage; 3 no back-end can run here; 4 permission;
 from __future__ import annotations
 
 import sys
-from pathlib import Path
+from typing import Any
+
+from wedgectl.probes import _tool
+from wedgectl.probes._window import Maps, Window, rounded, table
 
 NAME = "offcpu"
 SUMMARY = "on-CPU, blocked (off-CPU) and run-queue time per thread over the window"
@@ -152,17 +155,59 @@ TRACEPOINT_PROBE(sched, sched_switch)
 BCC_CLEAR = ("oc_tgt",)
 
 EPILOG = """examples:
-    ./offcpu.py -p 4101             # on/off-CPU time of pid 4101's threads (and children's), 5 s
-    ./offcpu.py -p 4101 -d 2 --json # JSON lines
-    ./offcpu.py -p 4101 --ebpf      # print the bpftrace program and exit (no root needed)
+    python -m wedgectl.probes.offcpu -p 4101             # on/off-CPU time of pid 4101's threads (and children's), 5 s
+    python -m wedgectl.probes.offcpu -p 4101 -d 2 --json # JSON lines
+    python -m wedgectl.probes.offcpu -p 4101 --ebpf      # print the bpftrace program (no root needed)
 """
 
 
-def main(argv: list[str] | None = None) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import futexwait  # the shared argument parser and runner entry
+# --- reading the maps back ------------------------------------------------------------
 
-    return futexwait.main(argv, probes=(NAME,), prog="offcpu.py", epilog=EPILOG, description=SUMMARY)
+
+def thread_fields(maps: Maps, w: Window, traced: bool) -> dict[int, dict[str, Any]]:
+    """tid -> oncpu_s, offcpu_s and runq_s over the window.
+
+    From the program's sums where it saw the thread switch; from schedstat's
+    exact counters where it did not (no switch in the window, or traced is
+    False), and where lost events (a program run the kernel skipped) leave the
+    sums short of the window: they are never long.
+    """
+    window = w.seconds
+    on_ns, off_ns, rq_ns = table(maps, "oc_oncpu_ns"), table(maps, "oc_offcpu_ns"), table(maps, "oc_runq_ns")
+    on_since, off_since = table(maps, "oc_on_since"), table(maps, "oc_off_since")
+    preempted, lost = table(maps, "oc_preempted"), table(maps, "oc_lost")
+    out: dict[int, dict[str, Any]] = {}
+    for tid, st in w.end_states.items():
+        st0 = w.start_states.get(tid)
+        on = off = rq = d_on = d_rq = None
+        if st.oncpu_ns is not None and st.runq_ns is not None:
+            base_on, base_rq = (st0.oncpu_ns or 0, st0.runq_ns or 0) if st0 is not None else (0, 0)
+            d_on = min(window, max(0.0, (st.oncpu_ns - base_on) / 1e9))
+            d_rq = min(window, max(0.0, (st.runq_ns - base_rq) / 1e9))
+        seen = traced and any(tid in m for m in (on_ns, off_ns, rq_ns, on_since, off_since))
+        if seen:
+            on, off, rq = on_ns.get(tid, 0) / 1e9, off_ns.get(tid, 0) / 1e9, rq_ns.get(tid, 0) / 1e9
+            if tid in on_since:
+                on += max(0.0, w.end - on_since[tid] / 1e9)
+            if tid in off_since:
+                rest = max(0.0, w.end - off_since[tid] / 1e9)
+                if tid in preempted:
+                    rq += rest
+                else:
+                    off += rest
+            if d_on is not None and d_rq is not None and (
+                    tid in lost or abs(on + off + rq - window) > max(0.1, 0.1 * window)):
+                on, rq = d_on, d_rq
+                off = max(0.0, window - on - rq)
+        elif d_on is not None and d_rq is not None:
+            on, rq = d_on, d_rq
+            off = max(0.0, window - on - rq)
+        out[tid] = {"oncpu_s": rounded(on), "offcpu_s": rounded(off), "runq_s": rounded(rq)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    return _tool.main(argv, (NAME,), prog="offcpu", summary=SUMMARY, epilog=EPILOG)
 
 
 if __name__ == "__main__":

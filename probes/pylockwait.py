@@ -25,7 +25,10 @@ Exit status: 0 traced; 2 usage; 3 no back-end can run here; 4 permission;
 from __future__ import annotations
 
 import sys
-from pathlib import Path
+from typing import Any
+
+from wedgectl.probes import _tool
+from wedgectl.probes._window import Maps, Window, rounded, table
 
 NAME = "pylockwait"
 SUMMARY = "blocking Python lock acquires per thread (uprobe on PyThread_acquire_lock_timed)"
@@ -104,17 +107,33 @@ BCC_UPROBES = ((SYMBOL, "pl_enter", "pl_return"),)
 BCC_CLEAR: tuple[str, ...] = ()
 
 EPILOG = """examples:
-    ./pylockwait.py -p 4101         # blocking Python lock acquires of pid 4101's tree, 5 s
-    ./pylockwait.py -p 4101 --json  # JSON lines
-    ./pylockwait.py -p 4101 --ebpf  # print the bpftrace program (with the library found) and exit
+    python -m wedgectl.probes.pylockwait -p 4101         # blocking Python lock acquires of pid 4101's tree, 5 s
+    python -m wedgectl.probes.pylockwait -p 4101 --json  # JSON lines
+    python -m wedgectl.probes.pylockwait -p 4101 --ebpf  # print the bpftrace program (with the library found)
 """
 
 
-def main(argv: list[str] | None = None) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import futexwait
+# --- reading the maps back ------------------------------------------------------------
 
-    return futexwait.main(argv, probes=(NAME,), prog="pylockwait.py", epilog=EPILOG, description=SUMMARY)
+
+def thread_fields(maps: Maps, w: Window, traced: bool) -> dict[int, dict[str, Any]]:
+    """tid -> pylock_addr, pylock_waits, pylock_wait_s; {} where the uprobe did not run (no /proc view of it)."""
+    if not traced:
+        return {}
+    since, lock, n, ns = table(maps, "pl_since"), table(maps, "pl_lock"), table(maps, "pl_n"), table(maps, "pl_ns")
+    out: dict[int, dict[str, Any]] = {}
+    for tid in w.end_states:
+        addr = None
+        secs = ns.get(tid, 0) / 1e9
+        if tid in since:
+            addr = int(lock.get(tid, 0)) or None
+            secs += max(0.0, w.end - max(since[tid] / 1e9, w.begin))
+        out[tid] = {"pylock_addr": addr, "pylock_waits": int(n.get(tid, 0)), "pylock_wait_s": rounded(secs)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    return _tool.main(argv, (NAME,), prog="pylockwait", summary=SUMMARY, epilog=EPILOG)
 
 
 if __name__ == "__main__":

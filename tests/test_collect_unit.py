@@ -11,7 +11,7 @@ import pytest
 
 from wedgectl.collect import procfs, pyspy, scrape
 from wedgectl.collect.processes import classify_role, format_address, parse_proc_net_tcp
-from wedgectl.types import FailureKind, Role, StackDump, ThreadSample
+from wedgectl.types import FailureKind, FutexWaiters, Role, StackDump, ThreadSample
 
 # --- recorded /proc text (x86_64, kernel 6.18) --------------------------------
 
@@ -126,13 +126,19 @@ def test_decode_futex_op(op: int, name: str) -> None:
     assert procfs.decode_futex_op(op) == name
 
 
-def test_group_futex_waiters() -> None:
+def test_futex_waiters_group_by_address() -> None:
+    # The one grouping (classifier, top, collectors) counts every thread /proc shows in futex(2),
+    # whatever the op: a thread caught inside FUTEX_WAKE (0x81) is grouped too, as the
+    # classifier always did. Most waiters first; tids in the order the threads were read.
     def t(tid: int, addr: int | None, op: int | None = 0x189) -> ThreadSample:
         return ThreadSample(tid=tid, comm="x", state="S", futex_addr=addr, futex_op=op)
 
-    threads = [t(3, 0xA0), t(1, 0xA0), t(2, 0xB0), t(4, None), t(5, 0xC0, op=0x81)]
-    assert procfs.group_futex_waiters(threads) == {0xA0: (1, 3), 0xB0: (2,)}
-    assert procfs.group_futex_waiters([]) == {}
+    threads = [t(2, 0xB0), t(3, 0xA0), t(1, 0xA0), t(4, None), t(5, 0xC0, op=0x81)]
+    waiters = FutexWaiters.of(threads)
+    assert [(g.addr, g.tids) for g in waiters.groups] == [(0xA0, (3, 1)), (0xB0, (2,)), (0xC0, (5,))]
+    assert waiters.n_waiting == 4 and waiters.n_threads == 5
+    assert waiters.sharing(0xA0) == 2 and waiters.sharing(None) == 0 and waiters.sharing(0xD0) == 0
+    assert FutexWaiters.of([]).by_addr == {}
 
 
 # --- read_threads on a recorded tree -----------------------------------------

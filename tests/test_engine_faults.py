@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 
-from wedge_engine.faults import FaultConfigError, overhang, stall  # noqa: E402
+from wedge_engine.faults import FAULTS, FaultConfigError, overhang, runaway, stall  # noqa: E402
 
 BLOCK_BYTES = 1000
 
@@ -163,3 +163,128 @@ def test_stall_activates_once(released):
     wrapped = FakeWorkerWrapper.execute_model
     assert stall.activate({}, cls=FakeWorkerWrapper) == "already active"
     assert FakeWorkerWrapper.execute_model is wrapped
+
+
+# --- runaway-hold ------------------------------------------------------------
+
+
+class Req:
+    """The Request fields the pacing reads."""
+
+    def __init__(self, prompt: int, max_tokens: int, computed: int, output: int = 0) -> None:
+        self.num_prompt_tokens, self.max_tokens = prompt, max_tokens
+        self.num_computed_tokens, self.num_output_tokens = computed, output
+
+
+class FakeScheduler:
+    def __init__(self, running: list[Req]) -> None:
+        self.running = running
+        self.steps = 0
+
+    def schedule(self, throttle_prefills: bool = False):
+        self.steps += 1
+        return f"step{self.steps}"
+
+
+class Clock:
+    """A monotonic clock that only moves when the fault sleeps or the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.slept.append(s)
+        self.now += s
+
+
+@pytest.fixture
+def paced():
+    clock = Clock()
+    yield clock
+    runaway.deactivate()
+
+
+def test_runaway_hold_is_registered():
+    assert FAULTS["runaway-hold"] == "wedge_engine.faults.runaway"
+
+
+@pytest.mark.parametrize(("raw", "s"), [("", 90.0), ("60", 60.0), (" 2.5 ", 2.5)])
+def test_hold_s(raw, s):
+    assert runaway.hold_s_from({"WEDGE_ENGINE_FAULT_HOLD_S": raw}) == s
+
+
+@pytest.mark.parametrize("raw", ["x", "0", "-3", "inf", "nan"])
+def test_hold_s_rejects(raw):
+    with pytest.raises(FaultConfigError):
+        runaway.hold_s_from({"WEDGE_ENGINE_FAULT_HOLD_S": raw})
+
+
+def test_bad_hold_patches_nothing(paced):
+    original = FakeScheduler.__dict__["schedule"]
+    with pytest.raises(FaultConfigError):
+        runaway.activate({"WEDGE_ENGINE_FAULT_HOLD_S": "x"}, cls=FakeScheduler)
+    assert FakeScheduler.__dict__["schedule"] is original and not runaway.is_active()
+
+
+def test_most_remaining_counts_only_decoding_requests():
+    prefilling = Req(prompt=5000, max_tokens=9000, computed=2048)
+    decoding = Req(prompt=5000, max_tokens=5000, computed=5010, output=10)
+    short = Req(prompt=10, max_tokens=16, computed=12, output=2)
+    assert runaway.most_remaining([prefilling, decoding, short]) == 4990
+    assert runaway.most_remaining([prefilling]) == 0
+    assert runaway.most_remaining([]) == 0
+
+
+def test_runaway_ends_no_sooner_than_the_deadline_then_runs_free(paced):
+    hold = 10.0
+    runaway.activate({"WEDGE_ENGINE_FAULT_HOLD_S": str(hold)}, cls=FakeScheduler, sleep=paced.sleep, clock=paced)
+    req = Req(prompt=100, max_tokens=50, computed=100)
+    s = FakeScheduler([req])
+    start = paced.now
+    while req.num_output_tokens < req.max_tokens:
+        before = s.steps
+        assert s.schedule() == f"step{before + 1}"  # the original still schedules every step
+        req.num_output_tokens += 1  # one token per step, as decode does
+        req.num_computed_tokens += 1
+        paced.now += 0.01  # the step's own work
+    assert paced.now - start >= hold  # the last token came at or after the deadline
+    assert max(paced.slept) <= runaway.MAX_PAUSE_S
+    assert paced.slept[0] == pytest.approx(hold / 50)
+    # Past the deadline nothing is paced, even for a new long request.
+    s.running = [Req(prompt=100, max_tokens=500, computed=100)]
+    n = len(paced.slept)
+    s.schedule()
+    assert len(paced.slept) == n
+
+
+def test_a_slow_host_is_not_slowed_further(paced):
+    runaway.activate({"WEDGE_ENGINE_FAULT_HOLD_S": "1"}, cls=FakeScheduler, sleep=paced.sleep, clock=paced)
+    req = Req(prompt=100, max_tokens=10, computed=100)
+    s = FakeScheduler([req])
+    s.schedule()
+    paced.now += 5.0  # one step took longer than the whole hold
+    s.schedule()
+    assert paced.slept == [pytest.approx(0.1)]
+
+
+def test_no_pause_without_a_decoding_request(paced):
+    runaway.activate({}, cls=FakeScheduler, sleep=paced.sleep, clock=paced)
+    s = FakeScheduler([Req(prompt=5000, max_tokens=5000, computed=0)])
+    s.schedule()
+    s.running = []
+    s.schedule()
+    assert paced.slept == [] and s.steps == 2
+
+
+def test_runaway_activates_once(paced):
+    original = FakeScheduler.__dict__["schedule"]
+    assert "90 s" in runaway.activate({}, cls=FakeScheduler, sleep=paced.sleep, clock=paced)
+    wrapped = FakeScheduler.schedule
+    assert runaway.activate({}, cls=FakeScheduler) == "already active"
+    assert FakeScheduler.schedule is wrapped
+    runaway.deactivate()
+    assert FakeScheduler.__dict__["schedule"] is original

@@ -20,7 +20,8 @@ from wedgectl.patched import (
     evaluate,
     states_capacity,
 )
-from wedgectl.runtime.launcher import free_port
+from wedgectl.lifecycle import free_port, stop_tree
+from wedgectl.render import render_swap, render_swap_plan
 
 # --- repro --patched: the checks -----------------------------------------------------
 
@@ -176,7 +177,7 @@ def fake_server(tmp_path):
 
     yield start
     for pid in started:
-        swap.stop_process_tree(pid, 1.0)
+        stop_tree(pid, 1.0)
 
 
 def _swapped_pids(result) -> list[int]:
@@ -188,7 +189,7 @@ def test_plan_reads_the_server_and_prints_no_secret(fake_server):
     plan = swap.plan_swap(p.pid)
     assert plan.api_pid == p.pid and plan.url == url and plan.cwd
     assert "sk-verysecret" in plan.argv and plan.env["HF_TOKEN"] == "hf_supersecret"
-    shown = "\n".join(plan.describe()) + json.dumps(plan.to_json())
+    shown = "\n".join(render_swap_plan(plan)) + json.dumps(plan.to_json())
     assert "sk-verysecret" not in shown and "hf_supersecret" not in shown
     assert "HF_TOKEN" in shown and swap.REDACTED in shown
     assert plan.new_env["WEDGE_ENGINE_FIXES"] == "all" and plan.new_env["HF_TOKEN"] == "hf_supersecret"
@@ -199,7 +200,7 @@ def test_dry_run_touches_nothing(fake_server):
     result = swap.swap_deployment(p.pid, dry_run=True)
     assert result.ok and result.dry_run and result.new_pid is None
     assert p.poll() is None and httpx.get(f"{url}/env").json()["pid"] == p.pid
-    assert "dry run" in "\n".join(result.lines())
+    assert "dry run" in "\n".join(render_swap(result))
 
 
 def test_swap_replaces_a_server_that_ignores_sigterm(fake_server):
@@ -214,11 +215,11 @@ def test_swap_replaces_a_server_that_ignores_sigterm(fake_server):
         env = httpx.get(f"{url}/env").json()
         assert env["pid"] == result.new_pid and env["WEDGE_ENGINE_FIXES"] == "all"
         assert env["HF_TOKEN"] == "hf_supersecret" and "sk-verysecret" in env["argv"]  # kept, not shown
-        assert not any("sk-verysecret" in s or "hf_supersecret" in s for s in steps + result.lines())
+        assert not any("sk-verysecret" in s or "hf_supersecret" in s for s in steps + list(render_swap(result)))
         p.wait(timeout=5)
     finally:
         for pid in _swapped_pids(result):
-            swap.stop_process_tree(pid, 2.0)
+            stop_tree(pid, 2.0)
 
 
 def test_swap_rolls_back_when_the_patched_server_fails(fake_server):
@@ -232,20 +233,20 @@ def test_swap_rolls_back_when_the_patched_server_fails(fake_server):
         assert env["pid"] == result.new_pid and env["WEDGE_ENGINE_FIXES"] is None
     finally:
         for pid in _swapped_pids(result):
-            swap.stop_process_tree(pid, 2.0)
+            stop_tree(pid, 2.0)
 
 
-def test_stop_process_tree_terms_then_kills(tmp_path):
+def test_stop_tree_terms_then_kills(tmp_path):
     polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    elapsed, killed = swap.stop_process_tree(polite.pid, 5.0)
-    assert not killed and elapsed < 3 and polite.poll() is not None
+    stopped = stop_tree(polite.pid, 5.0)
+    assert not stopped.killed and stopped.seconds < 3 and polite.poll() is not None
     stubborn = subprocess.Popen([sys.executable, "-c",
                                  "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                                  "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     stubborn.stdout.readline()
-    elapsed, killed = swap.stop_process_tree(stubborn.pid, 0.5)
-    assert killed and 0.5 <= elapsed < 5
-    stubborn.wait(timeout=5)  # already reaped by stop_process_tree (its child): 0 from Popen, pid gone
+    stopped = stop_tree(stubborn.pid, 0.5)
+    assert stopped.killed and 0.5 <= stopped.seconds < 5
+    stubborn.wait(timeout=5)  # already reaped by stop_tree (its child): 0 from Popen, pid gone
     with pytest.raises(ProcessLookupError):
         os.kill(stubborn.pid, 0)
 

@@ -1,5 +1,5 @@
-"""The probes without attaching anything: generated programs, output parsing, the /proc side, the
-back-end choice on recorded host trees, combining maps with /proc reads, and the classifier evidence."""
+"""The probes without attaching anything: generated programs (--ebpf), each probe's parser fed recorded maps,
+the /proc side, the back-end choice on recorded host trees, combining, the bundle codec and the classifier evidence."""
 
 from __future__ import annotations
 
@@ -14,20 +14,26 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from wedgectl.collect import ebpf
-from wedgectl.collect.ebpf import BackendStatus, Host, ThreadProbe, ThreadState, Window
-from wedgectl.types import Bundle, Manifest, ProcessSample, Role, Sample
+from wedgectl import probefacts, probes
+from wedgectl.bundle import from_jsonable, to_jsonable
+from wedgectl.collect import ebpf, ebpfhost, procfs
+from wedgectl.collect.ebpf import Window
+from wedgectl.collect.ebpfhost import Host
+from wedgectl.probes import futexwait
+from wedgectl.types import (
+    BackendStatus, Bundle, Manifest, ProbeResult, ProcessSample, Role, Sample, ThreadProbe, ThreadSample, WakeCall,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PROBES = REPO / "probes"
-TOOLS = ("futexwait", "offcpu", "pylockwait")
+TOOLS = probes.ALL_PROBES
 
 
 # --- the programs -------------------------------------------------------------
 
 
 def test_bpftrace_program_is_one_bounded_filtered_program() -> None:
-    text = ebpf.bpftrace_program(ebpf.DEFAULT_PROBES, [4101, 4102], 7.5, seed_tids=[4101, 4105])
+    text = ebpf.bpftrace_program(probes.DEFAULT_PROBES, [4101, 4102], 7.5, seed_tids=[4101, 4105])
     assert text.count("\nBEGIN\n") == 1 and text.count("\nEND\n") == 1
     assert "interval:ms:7500" in text and "exit();" in text
     assert "/(pid == 4101 || pid == 4102) && @t_live/" in text  # the pid compare comes first
@@ -54,13 +60,13 @@ def test_pylockwait_repeats_per_library_and_is_skipped_without_one() -> None:
 
 
 def test_bcc_text_has_bounded_maps_and_the_filter() -> None:
-    text = ebpf.bcc_program(ebpf.ALL_PROBES, [4101], max_entries=1024)
+    text = ebpf.bcc_program(probes.ALL_PROBES, [4101], max_entries=1024)
     assert "TRACEPOINT_PROBE(syscalls, sys_enter_futex)" in text
     assert "TRACEPOINT_PROBE(sched, sched_switch)" in text
     assert "BPF_HASH(fw_wakes, struct fw_key3_t, u64, 1024);" in text
     assert "(pid == 4101)" in text and "__" not in text.replace("__FILTER", "")
     for name in TOOLS:  # every map a probe names is declared in its C text
-        for m in ebpf.load_probe(name).MAPS:
+        for m in probes.load_probe(name).MAPS:
             assert f"BPF_HASH({m}," in text
 
 
@@ -72,42 +78,42 @@ def test_pid_predicate_rejects_empty() -> None:
 
 @pytest.mark.parametrize("tool", TOOLS)
 def test_tool_ebpf_flag_prints_program_without_running(tool: str) -> None:
-    r = subprocess.run([sys.executable, str(PROBES / f"{tool}.py"), "-p", "4242", "--ebpf"],
+    r = subprocess.run([sys.executable, "-m", f"wedgectl.probes.{tool}", "-p", "4242", "--ebpf"],
                        capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert "pid == 4242" in r.stdout and "BEGIN" in r.stdout
-    r = subprocess.run([sys.executable, str(PROBES / f"{tool}.py"), "-p", "4242", "--ebpf", "--backend", "bcc"],
+    r = subprocess.run([sys.executable, "-m", f"wedgectl.probes.{tool}", "-p", "4242", "--ebpf", "--backend", "bcc"],
                        capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.returncode == 0 and "BPF_HASH" in r.stdout
 
 
 @pytest.mark.parametrize("tool", TOOLS)
 def test_tool_header_epilog_overhead_and_example(tool: str) -> None:
-    mod = ebpf.load_probe(tool)
+    mod = probes.load_probe(tool)
     assert mod.__doc__.splitlines()[0].startswith(f"{tool}: ")
     assert "Overhead" in mod.__doc__ or "overhead" in mod.__doc__
     assert "ratio" in mod.OVERHEAD
     assert "--ebpf" in mod.EPILOG and "examples:" in mod.EPILOG
     assert "Exit status" in mod.__doc__
     assert (PROBES / f"{tool}_example.txt").read_text().strip()
-    r = subprocess.run([sys.executable, str(PROBES / f"{tool}.py"), "-h"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", f"wedgectl.probes.{tool}", "-h"], capture_output=True, text=True,
                        timeout=60, cwd=REPO)
     assert r.returncode == 0 and "examples:" in r.stdout and "--ebpf" not in r.stdout.split("examples:")[0]
 
 
 def test_tool_usage_errors_exit_2() -> None:
-    r = subprocess.run([sys.executable, str(PROBES / "futexwait.py"), "-p", "x1"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "wedgectl.probes.futexwait", "-p", "x1"], capture_output=True,
                        text=True, timeout=60, cwd=REPO)
-    assert r.returncode == ebpf.EXIT_USAGE
+    assert r.returncode == probes.EXIT_USAGE
     r = subprocess.run([sys.executable, str(PROBES / "futexwait.py")], capture_output=True, text=True,
                        timeout=60, cwd=REPO)
     assert r.returncode == 2  # argparse
 
 
-@pytest.mark.skipif(shutil.which("bpftrace") is None or ebpf.find_tracefs() is None or os.geteuid() != 0,
+@pytest.mark.skipif(shutil.which("bpftrace") is None or ebpfhost.find_tracefs() is None or os.geteuid() != 0,
                     reason="needs bpftrace, a mounted tracefs and root to compile")
 def test_generated_program_compiles_with_bpftrace(tmp_path: Path) -> None:
-    text = ebpf.bpftrace_program(ebpf.ALL_PROBES, [1, 2], 5, [3], [sys.executable])
+    text = ebpf.bpftrace_program(probes.ALL_PROBES, [1, 2], 5, [3], [sys.executable])
     src = tmp_path / "p.bt"
     src.write_text(text)
     r = subprocess.run(["bpftrace", "--emit-elf", str(tmp_path / "p.o"), str(src)], capture_output=True,
@@ -152,38 +158,45 @@ se.vruntime                                  :           115.061254
 """
 
 
-def test_thread_state_from_recorded_texts() -> None:
-    st = ebpf.thread_state_from_texts(4138, 4143, STAT, SYSCALL, "futex_do_wait", SCHED, "63698 460563 5",
-                                      machine="x86_64")
-    assert (st.comm, st.state, st.cpu) == ("worker-a", "S", 1)
+def _sched(stat: str, syscall: str | None, wchan: str | None, sched: str | None,
+           schedstat: str | None) -> procfs.ThreadSched:
+    thread = procfs.thread_from_texts(4143, stat, wchan, syscall, None, machine="x86_64")
+    return procfs.sched_from_texts(4138, thread, stat, sched, schedstat)
+
+
+def test_thread_sched_from_recorded_texts() -> None:
+    st = _sched(STAT, SYSCALL, "futex_do_wait", SCHED, "63698 460563 5")
+    assert (st.pid, st.tid, st.comm, st.thread.state, st.cpu) == (4138, 4143, "worker-a", "S", 1)
     assert st.futex_addr == 0x5652E4BAB440 and st.in_futex_wait
     assert st.exec_start_s == pytest.approx(2022.667010839)
     assert (st.oncpu_ns, st.runq_ns) == (63698, 460563)
 
 
 def test_parsers_tolerate_missing_fields() -> None:
-    assert ebpf.parse_exec_start("nothing here") is None
-    assert ebpf.parse_schedstat("") is None
-    st = ebpf.thread_state_from_texts(1, 1, STAT, "running", None, None, None, machine="x86_64")
+    assert procfs.parse_exec_start("nothing here") is None
+    assert procfs.parse_schedstat("") is None
+    st = _sched(STAT, "running", None, None, None)
     assert st.futex_addr is None and st.exec_start_s is None and st.oncpu_ns is None
+    assert procfs.parse_stat(STAT.rsplit(" ", 10)[0]).processor is None  # a short stat line (old kernels)
 
 
-def test_read_thread_states_on_a_recorded_tree(tmp_path: Path) -> None:
+def test_read_thread_scheds_on_a_recorded_tree(tmp_path: Path) -> None:
     d = tmp_path / "4138" / "task" / "4143"
     d.mkdir(parents=True)
     for name, text in (("stat", STAT), ("syscall", SYSCALL), ("wchan", "futex_do_wait"), ("sched", SCHED),
-                       ("schedstat", "63698 460563 5")):
+                       ("schedstat", "63698 460563 5"), ("status", "voluntary_ctxt_switches:\t7\n")):
         (d / name).write_text(text)
     (tmp_path / "4138" / "task" / "4199").mkdir()  # exited mid-read: no stat
-    states, failures = ebpf.read_thread_states([4138, 999], tmp_path)
-    assert list(states) == [4143] and states[4143].in_futex_wait
-    assert [f.kind.value for f in failures] == ["gone"]
+    states, failures = procfs.read_thread_scheds([4138, 999], tmp_path)
+    assert list(states) == [4143] and states[4143].in_futex_wait and states[4143].pid == 4138
+    assert states[4143].exec_start_s == pytest.approx(2022.667010839) and states[4143].cpu == 1
+    assert {f.kind.value for f in failures} == {"gone"} and {f.target for f in failures} == {"4138", "999"}
 
 
 def test_sched_clock_offsets_are_small_and_positive() -> None:
-    if ebpf.parse_exec_start(Path("/proc/self/sched").read_text() if Path("/proc/self/sched").exists() else "") is None:
+    if procfs.parse_exec_start(Path("/proc/self/sched").read_text() if Path("/proc/self/sched").exists() else "") is None:
         pytest.skip("no /proc/PID/sched on this kernel")
-    offsets = ebpf.sched_clock_offsets(sorted(os.sched_getaffinity(0)))
+    offsets = procfs.sched_clock_offsets(sorted(os.sched_getaffinity(0)))
     assert offsets and all(-0.01 < v < 3600 for v in offsets.values())
 
 
@@ -191,9 +204,10 @@ def test_sched_clock_offsets_are_small_and_positive() -> None:
 
 
 def _st(tid: int, pid: int = 100, addr: int | None = None, exec_start: float | None = 50.0, cpu: int = 0,
-        on: int = 0, rq: int = 0, comm: str = "python") -> ThreadState:
-    return ThreadState(tid=tid, pid=pid, comm=comm, state="S" if addr else "R", cpu=cpu, futex_addr=addr,
-                       futex_op=0x80 if addr else None, exec_start_s=exec_start, oncpu_ns=on, runq_ns=rq)
+        on: int = 0, rq: int = 0, comm: str = "python") -> procfs.ThreadSched:
+    thread = ThreadSample(tid=tid, comm=comm, state="S" if addr else "R", futex_addr=addr,
+                          futex_op=0x80 if addr else None)
+    return procfs.ThreadSched(pid=pid, thread=thread, cpu=cpu, exec_start_s=exec_start, oncpu_ns=on, runq_ns=rq)
 
 
 def _window(start: dict, end: dict, begin: float = 100.0, stop: float = 105.0) -> Window:
@@ -206,7 +220,7 @@ def test_combine_parked_before_attach_uses_exec_start() -> None:
     start = {101: _st(101, addr=0xAA), 102: _st(102)}
     end = {101: _st(101, addr=0xAA), 102: _st(102, exec_start=104.0, on=4_000_000_000)}
     maps = {"fw_wakes": {(100, 0xBB, 102): 3}, "t_begin": 100_000_000_000}
-    by = {t.tid: t for t in ebpf.combine("bpftrace", ebpf.DEFAULT_PROBES, maps, _window(start, end))}
+    by = {t.tid: t for t in ebpf.combine("bpftrace", probes.DEFAULT_PROBES, maps, _window(start, end))}
     t = by[101]
     assert t.futex_addr == 0xAA and t.wait_source == "sched" and t.parked_throughout
     assert t.wait_s == pytest.approx(105.01 - 50.5, abs=1e-3)
@@ -230,7 +244,7 @@ def test_combine_wait_begun_in_window_uses_the_tracepoint_and_counts_wakes() -> 
         "oc_oncpu_ns": {101: 500_000_000, 102: 3_900_000_000}, "oc_runq_ns": {102: 100_000_000},
         "oc_on_since": {102: 104_000_000_000},
     }
-    by = {t.tid: t for t in ebpf.combine("bpftrace", ebpf.DEFAULT_PROBES, maps, _window(start, end))}
+    by = {t.tid: t for t in ebpf.combine("bpftrace", probes.DEFAULT_PROBES, maps, _window(start, end))}
     t = by[101]
     assert t.wait_source == "tracepoint" and not t.parked_throughout
     assert t.wait_s == pytest.approx(2.0) and t.waits == 4
@@ -238,16 +252,16 @@ def test_combine_wait_begun_in_window_uses_the_tracepoint_and_counts_wakes() -> 
     assert t.wakes_on_addr == 3 and t.wakers == (102, 103)
     assert t.oncpu_s == pytest.approx(0.5) and t.offcpu_s == pytest.approx(4.0)  # 2 s + 2 s still off at the end
     assert by[102].oncpu_s == pytest.approx(4.9) and by[102].runq_s == pytest.approx(0.1)
-    table = ebpf.wake_table(maps)
-    assert table[0] == {"pid": 999, "addr": 0xAA, "waker": 104, "calls": 7, "woken": 0}
-    assert {"pid": 100, "addr": 0xAA, "waker": 102, "calls": 2, "woken": 2} in table
+    table = futexwait.wake_table(maps)
+    assert table[0] == WakeCall(pid=999, addr=0xAA, waker=104, calls=7, woken=0)
+    assert WakeCall(pid=100, addr=0xAA, waker=102, calls=2, woken=2) in table
 
 
 def test_combine_lost_sched_events_fall_back_to_schedstat() -> None:
     start = {102: _st(102, on=1_000_000_000, rq=0)}
     end = {102: _st(102, on=4_000_000_000, rq=500_000_000)}
     maps = {"oc_oncpu_ns": {102: 900_000_000}, "oc_lost": {102: 1}}  # a skipped run: the sums are short
-    (t,) = ebpf.combine("bpftrace", ebpf.DEFAULT_PROBES, maps, _window(start, end))
+    (t,) = ebpf.combine("bpftrace", probes.DEFAULT_PROBES, maps, _window(start, end))
     assert (t.oncpu_s, t.runq_s, t.offcpu_s) == (3.0, 0.5, 1.5)
 
 
@@ -274,12 +288,40 @@ def test_combine_a_thread_that_ran_is_not_parked_throughout() -> None:
     assert not t.parked_throughout and t.wait_s == pytest.approx(105.01 - 102.5)
 
 
-def test_thread_probe_round_trips_through_a_dict() -> None:
+def test_each_probe_parses_only_its_own_maps() -> None:
+    start = {101: _st(101, addr=0xAA)}
+    w = _window(start, dict(start))
+    maps = {"pl_since": {101: 103_000_000_000}, "pl_lock": {101: 0xAA}, "pl_n": {101: 1}}
+    assert probes.load_probe("pylockwait").thread_fields(maps, w, traced=False) == {}
+    (pl,) = probes.load_probe("pylockwait").thread_fields(maps, w, traced=True).values()
+    assert pl == {"pylock_addr": 0xAA, "pylock_waits": 1, "pylock_wait_s": 2.0}
+    (fw,) = futexwait.thread_fields(maps, w, traced=True).values()
+    assert fw["futex_addr"] == 0xAA and fw["waits"] == 0 and "oncpu_s" not in fw
+    for name in TOOLS:  # every map a parser reads is one its program declares
+        mod = probes.load_probe(name)
+        read = set(re.findall(r'table\(maps, "(\w+)"\)', Path(mod.__file__).read_text()))
+        assert read and read <= set(mod.MAPS), (name, read - set(mod.MAPS))
+
+
+LEGACY_HEADER_KEYS = ["kind", "backend", "reason", "skipped", "probes", "pids", "window_s", "started", "ended",
+                      "wakes", "maps_full", "clock_offsets_s", "overhead"]
+LEGACY_THREAD_KEYS = ["kind", "tid", "pid", "comm", "backend", "futex_addr", "wait_s", "wait_started",
+                      "wait_source", "parked_throughout", "waits", "total_wait_s", "wakes_on_addr", "wakers",
+                      "oncpu_s", "offcpu_s", "runq_s", "window_s", "pylock_addr", "pylock_waits", "pylock_wait_s"]
+
+
+def test_probe_records_keep_their_bundle_json_and_round_trip() -> None:
     start = {101: _st(101, addr=0xAA)}
     (t,) = ebpf.combine("procfs", (), {}, _window(start, dict(start)))
-    d = json.loads(json.dumps(t.to_dict()))
-    assert d["kind"] == "thread" and {"tid", "futex_addr", "wait_s"} <= set(d)
-    assert ThreadProbe.from_dict(d) == t
+    header = ProbeResult(backend="bpftrace", reason="r", pids=(100,), window_s=5.0,
+                         wakes=(WakeCall(pid=100, addr=0xAA, waker=102, calls=2, woken=1),),
+                         clock_offsets_s={"0": 0.5}, overhead={"futexwait": "x"})
+    records = json.loads(json.dumps(to_jsonable((header, t))))
+    assert list(records[0]) == LEGACY_HEADER_KEYS and list(records[1]) == LEGACY_THREAD_KEYS
+    assert records[0]["wakes"] == [{"pid": 100, "addr": 0xAA, "waker": 102, "calls": 2, "woken": 1}]
+    assert records[1]["kind"] == "thread" and records[1]["wakers"] == []
+    sample = from_jsonable(Sample, {"t": 1.0, "probes": records + [{"kind": "newer"}]}, "test")
+    assert sample.probes == (header, t)  # a record kind a newer writer added is left out
 
 
 # --- choosing the back-end ------------------------------------------------------------
@@ -308,67 +350,67 @@ def _names(statuses: tuple[BackendStatus, ...]) -> dict[str, BackendStatus]:
 
 
 def test_fallback_order_forcing_each_backend_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ebpf.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(ebpfhost.DISABLE_ENV, raising=False)
     _host_tree(tmp_path, headers=True, bcc=True)
     host = _host(tmp_path)
-    assert ebpf.choose_backend(ebpf.detect_backends(host=host)).name == "bcc"
-    statuses = ebpf.detect_backends(host=host, disable={"bcc"})
-    assert ebpf.choose_backend(statuses).name == "bpftrace"
+    assert ebpfhost.choose_backend(ebpfhost.detect_backends(host=host)).name == "bcc"
+    statuses = ebpfhost.detect_backends(host=host, disable={"bcc"})
+    assert ebpfhost.choose_backend(statuses).name == "bpftrace"
     assert "disabled" in _names(statuses)["bcc"].reason
-    monkeypatch.setenv(ebpf.DISABLE_ENV, "bcc,bpftrace")
-    statuses = ebpf.detect_backends(host=host)
-    assert ebpf.choose_backend(statuses).name == "procfs"
-    statuses = ebpf.detect_backends(host=host, disable={"procfs"})
-    assert ebpf.choose_backend(statuses) is None
+    monkeypatch.setenv(ebpfhost.DISABLE_ENV, "bcc,bpftrace")
+    statuses = ebpfhost.detect_backends(host=host)
+    assert ebpfhost.choose_backend(statuses).name == "procfs"
+    statuses = ebpfhost.detect_backends(host=host, disable={"procfs"})
+    assert ebpfhost.choose_backend(statuses) is None
 
 
 def test_bcc_without_headers_falls_to_bpftrace_and_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ebpf.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(ebpfhost.DISABLE_ENV, raising=False)
     _host_tree(tmp_path, headers=False, bcc=True)
-    by = _names(ebpf.detect_backends(host=_host(tmp_path)))
+    by = _names(ebpfhost.detect_backends(host=_host(tmp_path)))
     assert not by["bcc"].available and "no kernel headers for 6.18.0-test" in by["bcc"].reason
     assert by["bpftrace"].available and "BTF" in by["bpftrace"].reason
 
 
 def test_missing_tools_tracefs_and_privilege_are_reasons(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ebpf.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(ebpfhost.DISABLE_ENV, raising=False)
     _host_tree(tmp_path, headers=True, bcc=False, tracefs=False)
-    by = _names(ebpf.detect_backends(host=_host(tmp_path, bpftrace=False)))
+    by = _names(ebpfhost.detect_backends(host=_host(tmp_path, bpftrace=False)))
     assert "python3-bpfcc" in by["bcc"].reason
     assert "apt-get install bpftrace" in by["bpftrace"].reason
-    by = _names(ebpf.detect_backends(host=_host(tmp_path)))
+    by = _names(ebpfhost.detect_backends(host=_host(tmp_path)))
     assert "tracefs is not mounted" in by["bpftrace"].reason
     _host_tree(tmp_path / "b", headers=False, bcc=False)
-    by = _names(ebpf.detect_backends(host=_host(tmp_path / "b", euid=1000, caps=0)))
+    by = _names(ebpfhost.detect_backends(host=_host(tmp_path / "b", euid=1000, caps=0)))
     assert "CAP_BPF + CAP_PERFMON" in by["bpftrace"].reason
-    caps = 1 << ebpf.CAP_BPF | 1 << ebpf.CAP_PERFMON
-    assert _names(ebpf.detect_backends(host=_host(tmp_path / "b", euid=1000, caps=caps)))["bpftrace"].available
+    caps = 1 << ebpfhost.CAP_BPF | 1 << ebpfhost.CAP_PERFMON
+    assert _names(ebpfhost.detect_backends(host=_host(tmp_path / "b", euid=1000, caps=caps)))["bpftrace"].available
 
 
 def test_missing_tracepoint_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ebpf.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(ebpfhost.DISABLE_ENV, raising=False)
     _host_tree(tmp_path, headers=False, bcc=False)
     (tmp_path / "sys/kernel/tracing/events/sched/sched_switch").rmdir()
-    by = _names(ebpf.detect_backends(host=_host(tmp_path)))
+    by = _names(ebpfhost.detect_backends(host=_host(tmp_path)))
     assert not by["bpftrace"].available and "sched:sched_switch" in by["bpftrace"].reason
-    assert _names(ebpf.detect_backends(("futexwait",), host=_host(tmp_path)))["bpftrace"].available
+    assert _names(ebpfhost.detect_backends(("futexwait",), host=_host(tmp_path)))["bpftrace"].available
 
 
 def test_procfs_reason_depends_on_sched_file(tmp_path: Path) -> None:
     (tmp_path / "self").mkdir()
-    assert "no wait durations" in ebpf.check_procfs(Host(), tmp_path).reason
+    assert "no wait durations" in ebpfhost.check_procfs(Host(), tmp_path).reason
     (tmp_path / "self" / "sched").write_text(SCHED)
-    assert "se.exec_start" in ebpf.check_procfs(Host(), tmp_path).reason
+    assert "se.exec_start" in ebpfhost.check_procfs(Host(), tmp_path).reason
 
 
 # --- the classifier's evidence -----------------------------------------------------------
 
 
-def _sample_with(threads: list[ThreadProbe], header: dict | None = None) -> Sample:
+def _sample_with(threads: list[ThreadProbe], header: ProbeResult | None = None) -> Sample:
     procs = (ProcessSample(pid=200, ppid=1, role=Role.ENGINE_CORE, name="VLLM::EngineCor"),
              ProcessSample(pid=300, ppid=200, role=Role.WORKER, name="VLLM::Worker"))
-    header = header or {"kind": "probe", "backend": "bpftrace", "reason": "test", "window_s": 5.0, "pids": [200, 300]}
-    return Sample(t=0.0, processes=procs, probes=(header, *(t.to_dict() for t in threads)))
+    header = header or ProbeResult(backend="bpftrace", reason="test", window_s=5.0, pids=(200, 300))
+    return Sample(t=0.0, processes=procs, probes=(header, *threads))
 
 
 def _tp(tid: int, pid: int, **kw) -> ThreadProbe:
@@ -387,7 +429,7 @@ def test_probe_evidence_names_the_parked_engine_main_thread() -> None:
         _tp(300, 300, futex_addr=0x7F00CC, wait_s=2.0, wakes_on_addr=0),  # short wait: not the window
         _tp(301, 300, oncpu_s=5.0, offcpu_s=0.0),
     ]
-    ev = ebpf.probe_evidence([Sample(t=0.0), _sample_with(threads)])
+    ev = probefacts.probe_evidence([Sample(t=0.0), _sample_with(threads)])
     assert ev[0].source == "probe"
     assert ev[0].what == ("EngineCore main thread (tid 200) parked 312 s on one futex (0x7f00aa), "
                           "no wake on that address in the 5.0 s window")
@@ -399,20 +441,20 @@ def test_probe_evidence_names_the_parked_engine_main_thread() -> None:
 def test_probe_evidence_spinning_main_thread_and_woken_waits() -> None:
     threads = [_tp(200, 200, oncpu_s=4.8, offcpu_s=0.0, waits=0),
                _tp(300, 300, futex_addr=0x10, wait_s=30.0, wakes_on_addr=4, wakers=(301,))]
-    ev = ebpf.probe_evidence([_sample_with(threads)])
+    ev = probefacts.probe_evidence([_sample_with(threads)])
     assert any("EngineCore main thread (tid 200) on the CPU 96%" in e.what for e in ev)
     assert not any("on one futex" in e.what for e in ev)  # the Worker's address was woken: not parked evidence
 
 
 def test_probe_evidence_procfs_says_wakes_not_traced() -> None:
     threads = [_tp(300, 300, backend="procfs", futex_addr=0x10, wait_s=60.0, waits=None, wakes_on_addr=None)]
-    ev = ebpf.probe_evidence([_sample_with(threads, {"kind": "probe", "backend": "procfs", "reason": "r",
-                                                      "window_s": 5.0, "pids": [300]})])
+    ev = probefacts.probe_evidence([_sample_with(threads, ProbeResult(backend="procfs", reason="r", window_s=5.0,
+                                                                        pids=(300,)))])
     assert "Worker main thread (tid 300) parked 60 s" in ev[0].what and "wakes not traced (procfs)" in ev[0].what
 
 
 def test_probe_evidence_empty_without_probes() -> None:
-    assert ebpf.probe_evidence([Sample(t=0.0)]) == []
+    assert probefacts.probe_evidence([Sample(t=0.0)]) == []
 
 
 # --- wiring: sampler and CLI --------------------------------------------------------------
@@ -422,7 +464,7 @@ def test_sampler_puts_probe_results_on_the_last_sample() -> None:
     from wedgectl import sampler
 
     b = Bundle(Manifest(), (Sample(t=1.0), Sample(t=2.0)))
-    header = {"kind": "probe", "backend": "procfs"}
+    header = ProbeResult(backend="procfs", reason="r")
     out = sampler._with_probes(b, (header,), ())
     assert out.samples[0].probes == () and out.samples[-1].probes == (header,)
     assert sampler._with_probes(b, (), ()) is b
@@ -442,14 +484,14 @@ def test_sampler_off_starts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cli_probes_reports_each_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     from wedgectl.cli import app
 
-    monkeypatch.setenv(ebpf.DISABLE_ENV, "bcc,bpftrace")
+    monkeypatch.setenv(ebpfhost.DISABLE_ENV, "bcc,bpftrace")
     r = CliRunner().invoke(app, ["probes"], env={"COLUMNS": "80"})
-    assert r.exit_code == ebpf.EXIT_NO_BACKEND, r.output
+    assert r.exit_code == probes.EXIT_NO_BACKEND, r.output
     assert "bcc" in r.output and "bpftrace" in r.output and "procfs    yes <- used" in r.output
     assert "disabled" in r.output and "futexwait" in r.output and "overhead" in r.output
     r = CliRunner().invoke(app, ["probes", "--json"])
     data = json.loads(r.output)
-    assert data["chosen"] == "procfs" and [b["name"] for b in data["backends"]] == list(ebpf.BACKENDS)
+    assert data["chosen"] == "procfs" and [b["name"] for b in data["backends"]] == list(ebpfhost.BACKENDS)
 
 
 # --- the bcc runner's protocol, against a stand-in bcc module -----------------------
@@ -490,7 +532,7 @@ def test_bcc_runner_protocol_with_a_stand_in_module(tmp_path: Path, monkeypatch:
         fake.mkdir(parents=True)
         (fake / "__init__.py").write_text(FAKE_BCC.replace("PID", str(target.pid)).replace("TID", str(target.pid)))
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fake.parent), str(REPO)]))
-        run = ebpf.ProbeRun([target.pid], ebpf.DEFAULT_PROBES, backend=BackendStatus("bcc", True, "stand-in"),
+        run = ebpf.ProbeRun([target.pid], probes.DEFAULT_PROBES, backend=BackendStatus("bcc", True, "stand-in"),
                             max_s=20).start()
         assert run.backend.name == "bcc", run.failures
         assert "BPF_HASH(fw_wait_since" in run.program
@@ -500,9 +542,9 @@ def test_bcc_runner_protocol_with_a_stand_in_module(tmp_path: Path, monkeypatch:
         target.wait()
     assert not failures, failures
     header, thread = records[0], records[1]
-    assert header["backend"] == "bcc" and header["wakes"] == [
-        {"pid": target.pid, "addr": 0xAB, "waker": target.pid, "calls": 5, "woken": 0}]
-    assert thread["tid"] == target.pid and thread["waits"] == 2 and thread["backend"] == "bcc"
+    assert header.backend == "bcc" and header.wakes == (
+        WakeCall(pid=target.pid, addr=0xAB, waker=target.pid, calls=5, woken=0),)
+    assert thread.tid == target.pid and thread.waits == 2 and thread.backend == "bcc"
     assert run._proc.poll() is not None  # the runner exited on SIGINT
 
 
@@ -529,7 +571,7 @@ def test_stand_in_bpftrace_without_results_falls_back(tmp_path: Path, monkeypatc
     monkeypatch.setattr(ebpf, "STOP_TIMEOUT_S", 1.0)
     target = subprocess.Popen(["sleep", "30"])
     try:
-        run = ebpf.ProbeRun([target.pid], ebpf.DEFAULT_PROBES, backend=BackendStatus("bpftrace", True, "stand-in"),
+        run = ebpf.ProbeRun([target.pid], probes.DEFAULT_PROBES, backend=BackendStatus("bpftrace", True, "stand-in"),
                             max_s=20).start()
         assert run.backend.name == "bpftrace" and run._proc.poll() is None
         records, failures = run.stop()
@@ -538,7 +580,7 @@ def test_stand_in_bpftrace_without_results_falls_back(tmp_path: Path, monkeypatc
         target.wait()
     assert run._proc.poll() is not None  # gone, one way or the other
     header = records[0]
-    assert header["backend"] == "procfs" and any(want in f.message for f in failures), failures
-    assert any(s["backend"] == "bpftrace" and "reported no results" in s["reason"] for s in header["skipped"])
-    assert records[1]["wakes_on_addr"] is None  # no maps: no claim about wakes
+    assert header.backend == "procfs" and any(want in f.message for f in failures), failures
+    assert any(s.backend == "bpftrace" and "reported no results" in s.reason for s in header.skipped)
+    assert records[1].wakes_on_addr is None  # no maps: no claim about wakes
     assert run._tmp is None  # the program file is removed

@@ -1,4 +1,4 @@
-"""start_server / stop_server against a fake vLLM: a real process tree, no vLLM.
+"""The lifecycle (start_server / stop_server) against a fake vLLM: a real process tree, no vLLM.
 
 The fake "python" is a script that takes the launcher's argv, forks children
 like vLLM's EngineCore and Worker, and answers GET /health; its environment
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import threading
@@ -18,14 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from wedgectl.runtime.launcher import (
-    ServerSpec,
-    ServerStartError,
-    free_port,
-    running_server,
-    start_server,
-    stop_server,
-)
+from wedgectl.lifecycle import ServerStartError, free_port, stop_server, stop_tree
+from wedgectl.runtime.launcher import ServerSpec, running_server, start_server
 
 FAKE_VLLM = textwrap.dedent(
     f"""\
@@ -194,3 +189,35 @@ def test_stop_finds_orphans_of_a_crashed_api_server(fake_python: Path, tmp_path:
     stop_server(server, grace=1)
     assert [p for p in pids if psutil.pid_exists(p)] == []
     assert stop_server(server) < 1  # a second stop is harmless
+
+
+def test_health_wait_ignores_a_proxy_in_the_environment(
+    fake_python: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A proxy nobody listens on: had the health client trusted the environment, /health would never answer.
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    with running_server(spec(tmp_path), fake_python, tmp_path / "log", health_timeout=20, grace=2) as server:
+        assert server.popen.poll() is None
+
+
+def test_stop_tree_of_a_process_we_did_not_start_spares_its_process_group(tmp_path: Path) -> None:
+    # No Popen, no session of its own: the pid and its descendants go, never the group it shares with us.
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child = subprocess.Popen([sys.executable, "-c", "import os, time; os.fork(); time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(psutil.Process(child.pid).children()) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = (child.pid, *(p.pid for p in psutil.Process(child.pid).children()))
+        assert len(pids) == 2
+        stopped = stop_tree(child.pid, grace=0.5)
+        # SIGTERM ends the root; its forked child is not signalled by it, so it takes the SIGKILL.
+        assert stopped.killed and 0.5 <= stopped.seconds < 5
+        assert wait_gone(pids) == []
+        assert bystander.poll() is None and os.getpgid(bystander.pid) == os.getpgrp()
+    finally:
+        bystander.kill()
+        bystander.wait(timeout=5)

@@ -20,7 +20,8 @@ from wedgectl.runtime.install import (
     runtime_dir,
     runtime_python,
 )
-from wedgectl.runtime.launcher import ServerSpec, free_port, serve_args, server_env
+from wedgectl.lifecycle import free_port
+from wedgectl.runtime.launcher import ServerSpec, serve_args, server_env
 
 
 def test_cache_dir_prefers_wedgectl_cache() -> None:

@@ -124,3 +124,17 @@ def test_stack_lines_name_the_dump_and_the_thread():
     # The recorded burst's last dump caught the main thread between frames: an older one is shown.
     assert not model._thread_of(stacks[engine][-1], tid)["frames"]
     assert model.stack_lines(None, 1)[0].startswith("no stack dump yet")
+
+
+def test_top_and_the_classifier_share_one_futex_grouping():
+    # The deadlock's evidence names the EngineCore's most crowded futex addresses; top's thread
+    # rows must show the same groups, since both read ProcessSample.futex_waiters.
+    b = read_bundle(BUNDLES / "engine-deadlock.tar.gz")
+    ev = next(e for e in classify(b).evidence if "futex_waits" in e.values)
+    last = next(s for s in reversed(b.samples) if s.processes)
+    proc = next(p for p in last.processes if p.pid == ev.values["pid"])
+    rows = {r.tid: r for r in model.thread_rows(proc, None, last.t, None)}
+    assert ev.values["futex_waits"]
+    for addr, tids in ev.values["futex_waits"].items():
+        assert all(rows[t].futex == addr and rows[t].sharing == len(tids) for t in tids)
+    assert sum(1 for r in rows.values() if r.futex) == proc.futex_waiters.n_waiting

@@ -15,9 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import psutil
 
+from wedgectl.lifecycle import health_client
 from wedgectl.repro import Workload, load_config, scrape_snapshot
 
 
@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
     workload = Workload(url, cfg, hold_s=hold_s)
     workload.start_now()
     deadline = time.monotonic() + hold_s
-    with httpx.Client(timeout=2.0) as client:
+    with health_client() as client:
         while time.monotonic() < deadline and _alive(pid):
             snap = scrape_snapshot(client, url)
             if snap is not None:

@@ -2,35 +2,40 @@
 
 The format is written down in docs/bundle.md. Raw data (metrics text, /proc
 fields, py-spy JSON, log lines) is kept as captured so a newer classifier can
-re-read an old bundle.
+re-read an old bundle. Bundles come from other hosts and other people, so the
+reader is bounded: it streams archives through a capped decompressor, reads
+tar headers itself, and checks every field's JSON type against the model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import io
 import json
+import math
+import os
+import stat
 import tarfile
 import time
+import types
+import typing
+import zlib
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from wedgectl.errors import BadBundle, InputNotFound
+from wedgectl.errors import BadBundle, UnreadableInput
+from wedgectl.sources import MAX_LOG_BYTES, open_regular, stat_input
 from wedgectl.types import (
     BUNDLE_FORMAT,
     BUNDLE_VERSION,
     Bundle,
-    CollectorFailure,
-    Evidence,
     FailureKind,
     Manifest,
-    MetricsScrape,
-    ProcessSample,
     Role,
     Sample,
     StackDump,
-    Target,
-    ThreadSample,
     Verdict,
     VerdictKind,
 )
@@ -39,14 +44,31 @@ MANIFEST = "manifest.json"
 SAMPLES = "samples.jsonl"
 LOG = "log.txt"
 VERDICT = "verdict.json"
-MAX_MEMBER_BYTES = 1 << 30  # refuse absurd members rather than exhaust memory
+MEMBERS = (MANIFEST, SAMPLES, LOG, VERDICT)
+
+# Bounds on what a bundle may make us read (docs/bundle.md). A member's size is known from its tar
+# header, so an oversized one is refused before a byte of it is inflated.
+MAX_MEMBER_BYTES = MAX_LOG_BYTES + (64 << 20)  # log.txt holds up to a MAX_LOG_BYTES log tail, re-terminated
+MAX_ARCHIVE_BYTES = 2 * MAX_MEMBER_BYTES  # everything inflated from one archive, skipped members included
+MAX_HEADER_BYTES = 64 << 10  # one pax / GNU long-name header; tarfile parses big ones in quadratic time
+MAX_ARCHIVE_MEMBERS = 1000  # a bundle has four files; a million empty ones is an attack on our time
+_BLOCK = 512
+_CHUNK = 1 << 16
+
+# A value a newer writer added to an enum reads as the enum's catch-all (docs/bundle.md).
+UNKNOWN_ENUM_VALUE: dict[type, enum.Enum] = {
+    Role: Role.OTHER,
+    FailureKind: FailureKind.ERROR,
+    VerdictKind: VerdictKind.INCONCLUSIVE,
+}
+_MAX_INT = 1 << 64  # futex addresses and syscall arguments are unsigned 64-bit; nothing in a bundle is larger
 
 
 def to_jsonable(obj: Any) -> Any:
     """dataclasses.asdict, with enums as their values and tuples as lists."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, (VerdictKind, Role, FailureKind)):
+    if isinstance(obj, enum.Enum):
         return obj.value
     if isinstance(obj, dict):
         return {str(k): to_jsonable(v) for k, v in obj.items()}
@@ -55,70 +77,139 @@ def to_jsonable(obj: Any) -> Any:
     return obj
 
 
-def _build(cls: type, data: Any, **convert: Any) -> Any:
-    """Build a dataclass from a dict, ignoring unknown keys (newer writers may add some)."""
+# --- JSON to the model: every field's JSON type is checked against the dataclass annotation ----------
+
+class _FieldError(Exception):
+    """A value of the wrong JSON type: path is where it sits ('processes[0].cpu_user_s')."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"{path or 'the record'}: {problem}")
+
+
+_SKIP = object()  # a record of a kind this reader does not know: left out
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string",
+            list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _record_kind(cls: type) -> Any:
+    """The 'kind' a record class is tagged with (ProbeResult: 'probe'), or None."""
+    return next((f.default for f in dataclasses.fields(cls) if f.name == "kind"), None)
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    """value (parsed JSON) as type tp; _FieldError when its JSON type is wrong."""
+    if tp is Any:
+        return value
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None and len(options) < len(typing.get_args(tp)):
+            return None
+        records = [a for a in options if dataclasses.is_dataclass(a)]
+        if len(records) > 1:  # tagged records (ProbeRecord): pick by "kind"; a newer kind is left out
+            kind = value.get("kind") if isinstance(value, dict) else None
+            chosen = next((a for a in records if _record_kind(a) == kind), None)
+            return _SKIP if chosen is None else _build(chosen, value, path)
+        return _convert(options[0], value, path)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise _FieldError(path, f"expected an array, found {_json_kind(value)}")
+        item = typing.get_args(tp)[0]
+        out = (_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+        return tuple(v for v in out if v is not _SKIP)
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise _FieldError(path, f"expected an object, found {_json_kind(value)}")
+        item = typing.get_args(tp)[1] if typing.get_args(tp) else Any
+        return {k: _convert(item, v, f"{path}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if not isinstance(value, str):
+            raise _FieldError(path, f"expected a string, found {_json_kind(value)}")
+        try:
+            return tp(value)
+        except ValueError:
+            if tp in UNKNOWN_ENUM_VALUE:
+                return UNKNOWN_ENUM_VALUE[tp]
+            raise _FieldError(path, f"unknown value {value[:40]!r}") from None
+    return _scalar(tp, value, path)
+
+
+def _scalar(tp: Any, value: Any, path: str) -> Any:
+    if tp is bool and isinstance(value, bool):
+        return value
+    if tp is str and isinstance(value, str):
+        return value
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int and number and isinstance(value, int):
+        if abs(value) > _MAX_INT:
+            raise _FieldError(path, "number out of range")
+        return value
+    if tp is float and number:
+        if abs(value) > _MAX_INT or not math.isfinite(value):
+            raise _FieldError(path, "number out of range")
+        return value
+    wanted = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+    raise _FieldError(path, f"expected {wanted}, found {_json_kind(value)}")
+
+
+def _build(cls: type, data: Any, path: str = "") -> Any:
+    """A dataclass from a JSON object: unknown keys are ignored (newer writers add some)."""
     if not isinstance(data, dict):
-        raise BadBundle(f"expected an object for {cls.__name__}, found {type(data).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
+        raise _FieldError(path, f"expected an object, found {_json_kind(data)}")
+    hints = _hints(cls)
     kwargs = {}
-    for key, value in data.items():
-        if key not in names:
-            continue
-        kwargs[key] = convert[key](value) if key in convert else value
+    for f in dataclasses.fields(cls):
+        where = f"{path}.{f.name}" if path else f.name
+        if f.name in data:
+            kwargs[f.name] = _convert(hints[f.name], data[f.name], where)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise _FieldError(where, "missing")
+    if cls is StackDump:
+        _check_pyspy_threads(kwargs.get("threads", ()), path)
+    return cls(**kwargs)
+
+
+def _check_pyspy_threads(threads: tuple[dict[str, Any], ...], path: str) -> None:
+    """py-spy dumps stay raw, but the readers in stacks.py rely on their shape: frames are objects."""
+    for i, thread in enumerate(threads):
+        frames = thread.get("frames")
+        if frames is not None and not (isinstance(frames, list) and all(isinstance(f, dict) for f in frames)):
+            raise _FieldError(f"{path}.threads[{i}].frames", "expected an array of objects")
+
+
+def from_jsonable(cls: type, data: Any, where: str) -> Any:
+    """A model dataclass from parsed JSON; BadBundle naming the field when a value has the wrong type."""
     try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise BadBundle(f"bad {cls.__name__} record: {exc}") from None
+        return _build(cls, data)
+    except _FieldError as exc:
+        raise BadBundle(f"{where}: {exc}") from None
 
 
-def _tuple(fn: Any = None) -> Any:
-    return lambda xs: tuple(fn(x) for x in xs) if fn else tuple(xs)
+def _loads(data: bytes | str, where: str) -> Any:
+    """json.loads that refuses NaN/Infinity and reports every failure as BadBundle."""
+    def refuse(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
 
-
-def thread_from_dict(d: dict) -> ThreadSample:
-    return _build(ThreadSample, d, syscall_args=_tuple())
-
-
-def process_from_dict(d: dict) -> ProcessSample:
-    return _build(
-        ProcessSample,
-        d,
-        role=Role,
-        cmdline=_tuple(),
-        listening=_tuple(),
-        threads=_tuple(thread_from_dict),
-    )
-
-
-def sample_from_dict(d: dict) -> Sample:
-    return _build(
-        Sample,
-        d,
-        metrics=lambda m: None if m is None else _build(MetricsScrape, m),
-        processes=_tuple(process_from_dict),
-        stacks=_tuple(lambda s: _build(StackDump, s, threads=_tuple())),
-        probes=_tuple(),
-        failures=_tuple(lambda f: _build(CollectorFailure, f, kind=FailureKind)),
-    )
-
-
-def manifest_from_dict(d: dict) -> Manifest:
-    return _build(
-        Manifest,
-        d,
-        target=lambda t: _build(Target, t, pids=_tuple()),
-        notes=_tuple(),
-    )
-
-
-def verdict_from_dict(d: dict) -> Verdict:
-    return _build(
-        Verdict,
-        d,
-        verdict=VerdictKind,
-        evidence=_tuple(lambda e: _build(Evidence, e)),
-        advice=_tuple(),
-    )
+    try:
+        return json.loads(data, parse_constant=refuse)
+    except UnicodeDecodeError:
+        raise BadBundle(f"{where} is not UTF-8 text") from None
+    except RecursionError:
+        raise BadBundle(f"{where} is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, NaN, an integer of thousands of digits
+        raise BadBundle(f"{where} is not valid JSON (truncated?): {str(exc)[:80]}") from None
 
 
 def encode(bundle: Bundle) -> dict[str, bytes]:
@@ -134,37 +225,30 @@ def encode(bundle: Bundle) -> dict[str, bytes]:
 
 
 def decode(files: dict[str, bytes], origin: str) -> Bundle:
-    """Rebuild a bundle from its files; BadBundle says what is wrong."""
+    """Rebuild a bundle from its files; BadBundle says what is wrong, naming the file and field."""
     if MANIFEST not in files:
         raise BadBundle(f"{origin}: not a wedgectl bundle (no {MANIFEST})")
-    try:
-        raw_manifest = json.loads(files[MANIFEST])
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise BadBundle(f"{origin}: {MANIFEST} is not valid JSON (truncated?)") from None
+    raw_manifest = _loads(files[MANIFEST], f"{origin}: {MANIFEST}")
     if not isinstance(raw_manifest, dict) or raw_manifest.get("format") != BUNDLE_FORMAT:
         raise BadBundle(f"{origin}: not a wedgectl bundle (manifest format is not {BUNDLE_FORMAT!r})")
     version = raw_manifest.get("version")
-    if not isinstance(version, int) or version > BUNDLE_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise BadBundle(f"{origin}: {MANIFEST}: version: expected an integer, found {_json_kind(version)}")
+    if version > BUNDLE_VERSION:
         raise BadBundle(
             f"{origin}: bundle format v{version} is newer than this wedgectl reads (v{BUNDLE_VERSION}); upgrade wedgectl"
         )
-    manifest = manifest_from_dict(raw_manifest)
+    manifest = from_jsonable(Manifest, raw_manifest, f"{origin}: {MANIFEST}")
     samples = []
-    text = files.get(SAMPLES, b"").decode("utf-8", errors="replace")
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            samples.append(sample_from_dict(json.loads(line)))
-        except json.JSONDecodeError:
-            raise BadBundle(f"{origin}: {SAMPLES} line {n} is not valid JSON (truncated?)") from None
+    for n, line in enumerate(files.get(SAMPLES, b"").splitlines(), 1):
+        if line.strip():
+            where = f"{origin}: {SAMPLES} line {n}"
+            samples.append(from_jsonable(Sample, _loads(line.decode("utf-8", errors="replace"), where), where))
     log_lines = tuple(files.get(LOG, b"").decode("utf-8", errors="replace").splitlines())
     verdict = None
     if VERDICT in files:
-        try:
-            verdict = verdict_from_dict(json.loads(files[VERDICT]))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise BadBundle(f"{origin}: {VERDICT} is not valid JSON (truncated?)") from None
+        where = f"{origin}: {VERDICT}"
+        verdict = from_jsonable(Verdict, _loads(files[VERDICT], where), where)
     return Bundle(manifest=manifest, samples=tuple(samples), log_lines=log_lines, verdict=verdict)
 
 
@@ -189,39 +273,163 @@ def write_bundle(bundle: Bundle, path: str | Path) -> Path:
     return path
 
 
-def _read_tar(path: Path) -> dict[str, bytes]:
+# --- reading archives: streamed, inflated under a cap, tar headers read here -------------------------
+
+class _Inflated:
+    """An archive's bytes, gunzipped on the fly when it is gzip, never more than limit bytes in all."""
+
+    def __init__(self, fh: BinaryIO, origin: str, limit: int | None = None) -> None:
+        self.fh, self.origin = fh, origin
+        self.limit = MAX_ARCHIVE_BYTES if limit is None else limit
+        self.total = 0
+        self._buf = bytearray()
+        self._pending = fh.read(_CHUNK)
+        self._gzip = self._pending[:2] == b"\x1f\x8b"
+        self._z = zlib.decompressobj(wbits=31) if self._gzip else None
+        self._done = not self._pending
+
+    def _more(self, want: int) -> None:
+        """Inflate until the buffer holds want bytes or the input ends; max_length keeps each step small."""
+        while len(self._buf) < want and not self._done:
+            if not self._pending:
+                self._pending = self.fh.read(_CHUNK)
+                if not self._pending:
+                    self._done = True
+                    if self._z is not None and not self._z.eof:
+                        out = self._z.flush()  # what zlib still holds; the stream itself ended early
+                        if not self._z.eof:
+                            raise BadBundle(f"{self.origin}: the archive is truncated")
+                        self._count(out)
+                    break
+            if self._z is None:
+                out, self._pending = self._pending, b""
+            else:
+                if self._z.eof:  # a second gzip member follows (`cat a.gz b.gz`)
+                    self._z = zlib.decompressobj(wbits=31)
+                try:
+                    out = self._z.decompress(self._pending, _CHUNK)
+                except zlib.error as exc:
+                    raise BadBundle(f"{self.origin}: not a readable bundle archive ({exc})") from None
+                self._pending = self._z.unconsumed_tail or self._z.unused_data
+            self._count(out)
+
+    def _count(self, out: bytes) -> None:
+        self.total += len(out)
+        if self.total > self.limit:
+            raise BadBundle(f"{self.origin}: the archive expands past {self.limit} bytes; refused")
+        self._buf += out
+
+    def read(self, n: int) -> bytes:
+        self._more(n)
+        with memoryview(self._buf) as view:
+            out = bytes(view[:n])  # one copy: a member may be MAX_MEMBER_BYTES
+        del self._buf[:n]
+        return out
+
+    def skip(self, n: int) -> None:
+        while n > 0:
+            got = len(self.read(min(n, _CHUNK)))
+            if not got:
+                raise BadBundle(f"{self.origin}: the archive is truncated")
+            n -= got
+
+
+def _padded(size: int) -> int:
+    return -(-size // _BLOCK) * _BLOCK
+
+
+def _pax_records(data: bytes, origin: str) -> dict[str, str]:
+    """A pax extended header's 'LEN key=value\\n' records, in one linear pass."""
+    out: dict[str, str] = {}
+    pos = 0
+    while pos < len(data) and data[pos:pos + 1] != b"\0":
+        space = data.find(b" ", pos, pos + 24)
+        length = int(data[pos:space]) if space > pos and data[pos:space].isdigit() else 0
+        end = pos + length
+        if length <= 0 or space < 0 or end > len(data) or data[end - 1:end] != b"\n":
+            raise BadBundle(f"{origin}: a malformed pax header in the archive")
+        key, _, value = data[space + 1:end - 1].partition(b"=")
+        out[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+        pos = end
+    return out
+
+
+def read_archive(fh: BinaryIO, origin: str) -> dict[str, bytes]:
+    """The bundle's files from a tar (gzipped or not) stream, within MAX_* bounds.
+
+    tarfile is not used to walk the archive: in Python 3.11 it reads a pax header whole, whatever
+    size it claims, and parses it with a regex that takes quadratic time. Headers are parsed one
+    512-byte block at a time by tarfile.TarInfo.frombuf; the extended ones (pax, GNU long names)
+    are capped at MAX_HEADER_BYTES and parsed here.
+    """
+    stream = _Inflated(fh, origin)
     files: dict[str, bytes] = {}
+    override: dict[str, str] = {}
+    for _ in range(4 * MAX_ARCHIVE_MEMBERS):  # each member takes at most a pax and a GNU header
+        block = stream.read(_BLOCK)
+        if not block.strip(b"\0"):  # the end-of-archive blocks, or the end of the stream
+            return files
+        if len(block) < _BLOCK:
+            raise BadBundle(f"{origin}: the archive is truncated")
+        try:
+            info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+        except tarfile.HeaderError as exc:
+            raise BadBundle(f"{origin}: not a readable bundle archive ({exc})") from None
+        size = info.size
+        if info.type in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
+                         tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK):
+            if size > MAX_HEADER_BYTES:
+                raise BadBundle(f"{origin}: a tar header of {size} bytes (at most {MAX_HEADER_BYTES}); refused")
+            data = stream.read(_padded(size))[:size]
+            if info.type == tarfile.XHDTYPE:
+                override.update(_pax_records(data, origin))
+            elif info.type == tarfile.GNUTYPE_LONGNAME:
+                override["path"] = data.rstrip(b"\0").decode("utf-8", "replace")
+            continue
+        name = override.get("path", info.name)
+        if "size" in override:
+            size = int(override["size"]) if override["size"].isdigit() else -1
+        override = {}
+        if size < 0 or size > MAX_MEMBER_BYTES:
+            raise BadBundle(f"{origin}: {name[:200]} is {size} bytes (at most {MAX_MEMBER_BYTES}); refused")
+        wanted = name.rsplit("/", 1)[-1] in MEMBERS and info.type in tarfile.REGULAR_TYPES
+        if wanted:
+            data = stream.read(size)
+            if len(data) < size:
+                raise BadBundle(f"{origin}: the archive is truncated")
+            files[name.rsplit("/", 1)[-1]] = data
+            stream.skip(_padded(size) - size)
+        else:
+            stream.skip(_padded(size))
+    raise BadBundle(f"{origin}: more than {MAX_ARCHIVE_MEMBERS} members; not a bundle")
+
+
+def _read_member(path: Path) -> bytes | None:
+    """One file of a bundle directory (None when absent), refused when not regular or too big."""
     try:
-        with tarfile.open(path, "r:*") as tar:
-            for member in tar:
-                if not member.isfile():
-                    continue
-                name = member.name.rsplit("/", 1)[-1]
-                if name not in (MANIFEST, SAMPLES, LOG, VERDICT):
-                    continue
-                if member.size > MAX_MEMBER_BYTES:
-                    raise BadBundle(f"{path}: {member.name} is larger than {MAX_MEMBER_BYTES} bytes")
-                handle = tar.extractfile(member)
-                if handle is not None:
-                    files[name] = handle.read()
-    except (tarfile.TarError, EOFError, OSError, UnicodeDecodeError) as exc:
-        raise BadBundle(f"{path}: not a readable bundle archive ({exc or 'truncated'})") from None
-    return files
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        st = stat_input(path)  # raises with the message for this error
+    if st.st_size > MAX_MEMBER_BYTES:
+        raise BadBundle(f"{path}: {st.st_size} bytes (at most {MAX_MEMBER_BYTES}); refused")
+    with open_regular(path) as fh:
+        data = fh.read(MAX_MEMBER_BYTES + 1)
+    if len(data) > MAX_MEMBER_BYTES:
+        raise BadBundle(f"{path}: more than {MAX_MEMBER_BYTES} bytes; refused")
+    return data
 
 
 def read_bundle(path: str | Path) -> Bundle:
-    """Read a bundle directory or archive; InputNotFound / BadBundle on bad input."""
+    """Read a bundle directory or archive; InputNotFound / UnreadableInput / BadBundle on bad input."""
     path = Path(path)
-    if not path.exists():
-        raise InputNotFound(f"{path}: no such file or directory")
-    if path.is_dir():
-        files = {}
-        for name in (MANIFEST, SAMPLES, LOG, VERDICT):
-            p = path / name
-            if p.is_file():
-                try:
-                    files[name] = p.read_bytes()
-                except OSError as exc:
-                    raise BadBundle(f"{p}: {exc.strerror}") from None
+    if stat.S_ISDIR(stat_input(path).st_mode):
+        files = {name: data for name in MEMBERS if (data := _read_member(path / name)) is not None}
         return decode(files, str(path))
-    return decode(_read_tar(path), str(path))
+    try:
+        with open_regular(path) as fh:
+            files = read_archive(fh, str(path))
+    except OSError as exc:
+        raise UnreadableInput(f"{path}: {exc.strerror or exc}") from None
+    return decode(files, str(path))

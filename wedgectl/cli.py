@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-import textwrap
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,6 +12,8 @@ import typer
 
 from wedgectl import __version__, exitcodes
 from wedgectl.errors import WedgectlError
+from wedgectl.render import failure_summary, render_report
+from wedgectl.types import ProbeBackend, ProbeMode
 
 app = typer.Typer(
     name="wedgectl",
@@ -25,38 +27,25 @@ runtime_app = typer.Typer(help="The managed vLLM runtime used by repros and test
 app.add_typer(runtime_app, name="runtime")
 
 
-def _emit(verdict, as_json: bool, expected: str | None = None, **extra) -> None:
-    from wedgectl.render import dumps, render_verdict, verdict_to_json
-
-    if as_json:
-        payload = verdict_to_json(verdict, **extra)
-        if expected is not None:
-            payload["expected"] = expected
-        typer.echo(dumps(payload))
-    else:
-        for line in render_verdict(verdict, expected=expected):
-            typer.echo(line)
-        for f in extra.get("collector_failures") or ():
-            for line in textwrap.wrap(f"could not read: {f['collector']} {f['kind']}: {f['message']}"[:300], 80,
-                                      subsequent_indent="    "):
-                typer.echo(line)
-        for key, value in extra.items():
-            if value is not None and key in ("bundle", "log", "pid", "url"):
-                typer.echo(f"{key}: {value}")
+def _echo(lines: Iterable[str]) -> None:
+    for line in lines:
+        typer.echo(line)
 
 
 @app.command()
 def diagnose(
     pid: Annotated[Optional[int], typer.Option("--pid", help="Any pid of the vLLM deployment (API server, EngineCore, Worker).")] = None,
     url: Annotated[Optional[str], typer.Option("--url", help="The server's base URL, e.g. http://127.0.0.1:8000 (metrics only without --pid).")] = None,
-    log: Annotated[Optional[Path], typer.Option("--log", help="A vLLM server log file.")] = None,
-    bundle: Annotated[Optional[Path], typer.Option("--bundle", help="Re-classify a saved evidence bundle (directory or .tar.gz).")] = None,
+    # readable=False on input paths: click would refuse an unreadable one with the usage code (2); the
+    # readers refuse it, and FIFOs and devices, with one line and exit 21 (README, exit codes)
+    log: Annotated[Optional[Path], typer.Option("--log", help="A vLLM server log file.", readable=False)] = None,
+    bundle: Annotated[Optional[Path], typer.Option("--bundle", help="Re-classify a saved evidence bundle (directory or .tar.gz).", readable=False)] = None,
     window: Annotated[float, typer.Option("--window", help="Seconds to sample a live server (stops early once certain).")] = 6.0,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between live samples.")] = 1.0,
     save_bundle: Annotated[Optional[Path], typer.Option("--save-bundle", help="Write the evidence to this directory or .tar.gz.")] = None,
     native: Annotated[bool, typer.Option("--native", help="Native stacks too (py-spy pauses the target briefly).")] = False,
     no_stacks: Annotated[bool, typer.Option("--no-stacks", help="Do not run py-spy.")] = False,
-    ebpf: Annotated[str, typer.Option("--ebpf", help="auto|on|off: trace futex waits/wakes and off-CPU time per thread (bcc, else bpftrace, else /proc; see `wedgectl probes`).")] = "auto",
+    ebpf: Annotated[ProbeMode, typer.Option("--ebpf", help="Trace futex waits/wakes and off-CPU time per thread (bcc, else bpftrace, else /proc; see `wedgectl probes`).")] = ProbeMode.AUTO,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
 ) -> None:
@@ -73,13 +62,12 @@ def diagnose(
         raise typer.BadParameter("give one of --pid, --url, --log or --bundle")
     if bundle is not None and (pid is not None or url is not None or log is not None):
         raise typer.BadParameter("--bundle re-classifies saved evidence; it takes no other source")
-    if ebpf not in ("auto", "on", "off"):
-        raise typer.BadParameter("--ebpf takes auto, on or off")
 
     if bundle is not None:
         b = read_bundle(bundle)
         verdict = classify(b)
-        _emit(verdict, as_json, source=b.manifest.source, recorded_verdict=b.verdict.verdict.value if b.verdict else None)
+        _echo(render_report(verdict, as_json, source=b.manifest.source,
+                            recorded_verdict=b.verdict.verdict.value if b.verdict else None))
         raise typer.Exit(exitcodes.for_verdict(verdict.verdict))
 
     if pid is None and url is None:
@@ -94,7 +82,7 @@ def diagnose(
             interval_s=interval,
             stacks=not no_stacks,
             native=native,
-            ebpf=ebpf,
+            ebpf=ebpf.value,
             progress=None if quiet or as_json and not sys.stderr.isatty() else _progress,
         )
         b = capture(pid=pid, url=url, log_path=log, options=opts)
@@ -108,17 +96,16 @@ def diagnose(
 
     b = replace(b, verdict=verdict)
     saved = str(write_bundle(b, save_bundle)) if save_bundle is not None else None
-    extra = {"source": b.manifest.source, "bundle": saved, "collector_failures": _failure_summary(b)}
+    extra = {"source": b.manifest.source, "bundle": saved, "collector_failures": failure_summary(b)}
     if b.manifest.target.pid is not None:
         extra["pid"] = b.manifest.target.pid
     if b.manifest.target.url is not None:
         extra["url"] = b.manifest.target.url
-    # --- eBPF probes: in --json, the probe header and one object per traced thread (tid, futex_addr, wait_s, ...)
+    # in --json, the probe header and one object per traced thread (tid, futex_addr, wait_s, ...)
     probe_records = next((s.probes for s in reversed(b.samples) if s.probes), ())
     if probe_records:
         extra["probes"] = list(probe_records)
-    # --- end eBPF probes
-    _emit(verdict, as_json, **extra)
+    _echo(render_report(verdict, as_json, **extra))
     raise typer.Exit(exitcodes.for_verdict(verdict.verdict))
 
 
@@ -135,61 +122,39 @@ def repro(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
 ) -> None:
     """Reproduce a hang class on a real vLLM server and diagnose it; exit 0 only when the verdict matches."""
-    from wedgectl.repro import find_config, list_configs, repro_main_text, run_repro
+    from wedgectl.render import render_patched, render_repro, render_repro_list
+    from wedgectl.repro import find_config, list_configs, run_repro
     from wedgectl.runtime.install import is_installed, install_runtime
 
     if list_ or name is None:
-        for cfg in list_configs():
-            typer.echo(f"{cfg.name:<16} expect {cfg.expected}")
-            for line in textwrap.wrap(cfg.description, 76, initial_indent="    ", subsequent_indent="    "):
-                typer.echo(line)
+        _echo(render_repro_list(list_configs()))
         raise typer.Exit(0 if list_ else exitcodes.USAGE)
+    if patched and keep:
+        raise typer.BadParameter("--patched ends every run with its own SIGTERM check; it cannot --keep")
     cfg = find_config(name)
     say = (lambda _m: None) if quiet else _progress
     if python is None and not is_installed():
         say("the managed vLLM runtime is not installed; installing it (once, ~2 min)")
         install_runtime(progress=say)
-    # --- repro --patched (wedgectl/patched.py): with the fixes on, no hang config may hang -------------
     if patched:
-        if keep:
-            raise typer.BadParameter("--patched ends every run with its own SIGTERM check; it cannot --keep")
-        from wedgectl.patched import patched_main_text, run_patched
+        # With the fixes on, no hang config may hang (wedgectl/patched.py).
+        from wedgectl.patched import run_patched
 
         outcome = run_patched(cfg, python=python, out_dir=out, progress=say)
-        if as_json:
-            from wedgectl.render import dumps
-
-            typer.echo(dumps(outcome.to_json()))
-        else:
-            for line in patched_main_text(outcome):
-                typer.echo(line)
+        _echo(render_patched(outcome, as_json))
         raise typer.Exit(0 if outcome.passed else exitcodes.REPRO_FAILED)
-    # --- end repro --patched ------------------------------------------------------------------------
     result = run_repro(cfg, python=python, out_dir=out, keep=keep, window_s=window, progress=say)
     if result.verdict is None:
         raise typer.Exit(exitcodes.REPRO_FAILED)
-    if as_json:
-        from wedgectl.render import dumps, verdict_to_json
-
-        payload = verdict_to_json(result.verdict, expected=cfg.expected, pid=result.pid, url=result.url,
-                                  bundle=str(result.bundle_path), log=str(result.log_path),
-                                  symptom_s=result.symptom_s, client=result.client_results, notes=result.notes)
-        typer.echo(dumps(payload))
-    else:
-        for line in repro_main_text(result):
-            typer.echo(line)
-        if keep:
-            typer.echo(f"pid: {result.pid}")
-            typer.echo(f"url: {result.url}")
+    _echo(render_repro(result, as_json, keep=keep))
     raise typer.Exit(0 if result.matched else exitcodes.REPRO_FAILED)
 
 
-# --- wedgectl top (the code is in wedgectl/tui/) -----------------------------
 @app.command()
 def top(
     pid: Annotated[Optional[int], typer.Option("--pid", help="Any pid of the vLLM deployment to watch.")] = None,
     url: Annotated[Optional[str], typer.Option("--url", help="The server's base URL (metrics only without --pid).")] = None,
-    bundle: Annotated[Optional[Path], typer.Option("--bundle", help="Replay a saved evidence bundle in the same view.")] = None,
+    bundle: Annotated[Optional[Path], typer.Option("--bundle", help="Replay a saved evidence bundle in the same view.", readable=False)] = None,
     refresh: Annotated[float, typer.Option("--refresh", help="Seconds between samples.")] = 2.0,
     stacks_every: Annotated[int, typer.Option("--stacks-every", help="py-spy stacks on every Nth refresh (d/D take them at once).")] = 5,
     save_dir: Annotated[Path, typer.Option("--save-dir", help="Folder for bundles saved with the s key.")] = Path("."),
@@ -211,15 +176,13 @@ def top(
     else:
         source = None
     make_app(source, refresh_s=refresh, stacks_every=stacks_every, save_dir=save_dir).run()
-# --- end wedgectl top ---------------------------------------------------------
 
 
-# --- wedgectl probes (the code is in wedgectl/collect/ebpf.py and probes/) --------
 @app.command()
 def probes(
     pid: Annotated[Optional[int], typer.Option("--pid", help="Run the probes on this pid and its descendants.")] = None,
     seconds: Annotated[float, typer.Option("--seconds", help="How long to trace with --pid.")] = 5.0,
-    backend: Annotated[str, typer.Option("--backend", help="auto|bcc|bpftrace|procfs.")] = "auto",
+    backend: Annotated[ProbeBackend, typer.Option("--backend", help="Force a back-end (default: the best this host supports).")] = ProbeBackend.AUTO,
     pylocks: Annotated[bool, typer.Option("--pylocks", help="Also time blocking Python lock acquires (uprobe on libpython; every Python process on the host pays for it).")] = False,
     verify: Annotated[bool, typer.Option("--verify", help="Compile and attach a trial program per back-end (slower, surer).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
@@ -229,41 +192,40 @@ def probes(
     Exit status: 0 an eBPF back-end can run (or, with --pid, the probe reported);
     3 only the /proc fallback is available; 5 --pid is gone; 6 the probe failed.
     """
-    import json as json_
+    from wedgectl import probes as programs
+    from wedgectl.bundle import to_jsonable
+    from wedgectl.collect import ebpf, ebpfhost
+    from wedgectl.render import dumps, render_backends, render_threads
 
-    from wedgectl.collect import ebpf
-
-    if backend not in ("auto", *ebpf.BACKENDS) or seconds <= 0 or seconds > ebpf.MAX_WINDOW_S:
-        raise typer.BadParameter(f"--backend takes auto, bcc, bpftrace or procfs; 0 < --seconds <= {ebpf.MAX_WINDOW_S:.0f}")
-    names = ebpf.ALL_PROBES if pylocks else ebpf.DEFAULT_PROBES
+    if seconds <= 0 or seconds > ebpf.MAX_WINDOW_S:
+        raise typer.BadParameter(f"0 < --seconds <= {ebpf.MAX_WINDOW_S:.0f}")
+    names = programs.ALL_PROBES if pylocks else programs.DEFAULT_PROBES
     if pid is None:
-        statuses = ebpf.detect_backends(names, verify=verify)
-        chosen = ebpf.choose_backend(statuses)
+        statuses = ebpfhost.detect_backends(names, verify=verify)
+        chosen = ebpfhost.choose_backend(statuses)
         if as_json:
-            typer.echo(json_.dumps({"backends": [s.__dict__ for s in statuses],
-                                    "chosen": chosen.name if chosen else None}, indent=2))
+            typer.echo(dumps({"backends": to_jsonable(statuses), "chosen": chosen.name if chosen else None}))
         else:
-            for line in ebpf.render_backends(statuses, ebpf.ALL_PROBES):
+            for line in render_backends(statuses, chosen.name if chosen else None,
+                                        ebpfhost.program_summaries(programs.ALL_PROBES), ebpfhost.kernel_label(),
+                                        ebpfhost.host_notes()):
                 typer.echo(line)
-        raise typer.Exit(0 if chosen is not None and chosen.name in ebpf.EBPF_BACKENDS else ebpf.EXIT_NO_BACKEND)
-    import psutil
-
-    if not psutil.pid_exists(pid):
+        available = chosen is not None and chosen.name in ebpfhost.EBPF_BACKENDS
+        raise typer.Exit(programs.EXIT_OK if available else programs.EXIT_NO_BACKEND)
+    if not ebpf.pids_exist([pid]):
         typer.echo(f"wedgectl: no such process: {pid}", err=True)
-        raise typer.Exit(ebpf.EXIT_GONE)
-    records, failures = ebpf.run_probes(ebpf._expand_tree([pid]), seconds, probes=names, backend=backend)
+        raise typer.Exit(programs.EXIT_GONE)
+    records, failures = ebpf.run_probes(ebpf.expand_tree([pid]), seconds, probes=names, backend=backend)
     if as_json:
-        typer.echo(json_.dumps({"probes": list(records), "failures": [f.__dict__ | {"kind": f.kind.value} for f in failures]}, indent=2))
+        typer.echo(dumps({"probes": to_jsonable(records), "failures": to_jsonable(failures)}))
     else:
-        for line in ebpf.render_threads(records):
+        for line in render_threads(records):
             typer.echo(line)
         for f in failures:
             typer.echo(f"could not: {f.kind.value}: {f.message}"[:200], err=True)
-    raise typer.Exit(ebpf.EXIT_OK if records else ebpf.EXIT_FAILED)
-# --- end wedgectl probes ------------------------------------------------------
+    raise typer.Exit(programs.EXIT_OK if records else programs.EXIT_FAILED)
 
 
-# --- swap (wedgectl/swap.py) -------------------------------------------------------------------------
 @app.command()
 def swap(
     pid: Annotated[int, typer.Option("--pid", help="Any pid of the running vLLM deployment (API server, EngineCore, Worker).")],
@@ -279,31 +241,14 @@ def swap(
 
     Exit status: 0 swapped (or --dry-run); 43 the swap failed (rolled back where it could).
     """
+    from wedgectl.render import render_swap
     from wedgectl.swap import swap_deployment
 
     say = (lambda _m: None) if quiet or as_json and not sys.stderr.isatty() else _progress
     result = swap_deployment(pid, dry_run=dry_run, progress=say, health_timeout_s=health_timeout,
                              stop_grace_s=stop_grace)
-    if as_json:
-        from wedgectl.render import dumps
-
-        typer.echo(dumps(result.to_json()))
-    else:
-        for line in result.lines():
-            typer.echo(line)
+    _echo(render_swap(result, as_json))
     raise typer.Exit(0 if result.ok else exitcodes.SWAP_FAILED)
-# --- end swap ------------------------------------------------------------------------------------
-
-
-def _failure_summary(bundle, most: int = 6) -> list[dict]:
-    """What collectors could not read, each distinct failure once."""
-    seen: dict[tuple[str, str, str], dict] = {}
-    for sample in bundle.samples:
-        for f in sample.failures:
-            key = (f.collector, f.kind.value, f.message.split(":")[0])
-            if key not in seen:
-                seen[key] = {"collector": f.collector, "kind": f.kind.value, "message": f.message, "target": f.target}
-    return list(seen.values())[:most]
 
 
 def _progress(msg: str) -> None:
@@ -318,9 +263,9 @@ def runtime_install(
     from wedgectl.runtime.install import install_runtime
     from wedgectl.runtime.tinymodel import ensure_tiny_model
 
-    path = install_runtime(force=force, progress=_progress)
-    model = ensure_tiny_model(path / "bin" / "python")
-    typer.echo(f"runtime: {path}")
+    python = install_runtime(force=force, progress=_progress)
+    model = ensure_tiny_model(python)
+    typer.echo(f"runtime: {python}")
     typer.echo(f"model:   {model}")
 
 

@@ -21,9 +21,9 @@ VERDICT_CODES: dict[VerdictKind, int] = {
 
 # Bad input: the evidence could not be read at all.
 NO_SUCH_FILE = 20
-UNREADABLE_INPUT = 21  # empty, binary, not text, unreadable
+UNREADABLE_INPUT = 21  # empty, binary, not a regular file (FIFO, device), permission denied
 NO_VLLM_LINES = 22
-BAD_BUNDLE = 23  # truncated, foreign or from a newer format
+BAD_BUNDLE = 23  # truncated, foreign, newer format, a field of the wrong type, past the size bounds
 NO_SUCH_PROCESS = 30
 NOT_VLLM = 31
 UNREACHABLE = 32  # URL refused or never answered
@@ -34,6 +34,12 @@ REPRO_FAILED = 41  # a repro did not reach the expected verdict
 SERVER_FAILED = 42  # a vLLM server did not start
 SWAP_FAILED = 43
 INTERNAL = 70  # a bug in wedgectl; the message says where to report it
+INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it)
+
+# `wedgectl probes` only (wedgectl.probes' EXIT_* carry the same values)
+PROBES_NO_BACKEND = 3  # only the /proc fallback can run here
+PROBES_GONE = 5  # --pid is gone
+PROBES_FAILED = 6  # the probe ran and reported nothing
 
 
 def for_verdict(kind: VerdictKind) -> int:

@@ -20,36 +20,17 @@ within the shutdown bound. Each check is a `Check` with its measured time.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import socket
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from wedgectl.repro import (
-    ReproConfig,
-    Workload,
-    _scrape,
-    ensure_engine_plugin,
-    symptom_reached,
-)
-
-# Settings the patched server runs with. The watchdog limit is small so a repro
-# ends quickly, and larger than any healthy gap between model steps here.
-WATCHDOG_S = 8.0
-SHUTDOWN_S = 10.0
-PATCHED_ENV = {
-    "WEDGE_ENGINE_FIXES": "all",
-    "WEDGE_ENGINE_WATCHDOG_S": f"{WATCHDOG_S:g}",
-    "WEDGE_ENGINE_SHUTDOWN_S": f"{SHUTDOWN_S:g}",
-}
+from wedgectl.lifecycle import Server, health_client, health_status, signal_server, stop_server, wait_exit
+from wedgectl.plugin import SHUTDOWN_S, WATCHDOG_S, patched_env
+from wedgectl.repro import ReproConfig, Workload, scrape_snapshot, start_repro_server, symptom_reached
 
 ADMISSION_BOUND_S = 5.0  # an unadmittable request's error (measured: ~0.01 s at admission)
 WATCHDOG_SLACK_S = 4.0  # the watchdog polls every <= 1 s; the client and /health poll add the rest
@@ -255,46 +236,31 @@ def run_patched(
     extra_env: dict[str, str] | None = None,
 ) -> PatchedResult:
     """Start the config's server with the fixes on, drive its workload, check that nothing hangs, SIGTERM it."""
-    from wedgectl.runtime.install import runtime_python
-    from wedgectl.runtime.launcher import ServerSpec, free_port, start_server, stop_server
-    from wedgectl.runtime.tinymodel import ensure_tiny_model
-
-    py = runtime_python(python)
-    ensure_engine_plugin(py, progress)
-    model = ensure_tiny_model(py)
-    out_dir = out_dir or Path.cwd() / "wedgectl-repro" / f"{cfg.name}-patched"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log_path = out_dir / "server.log"
-    if log_path.exists():
-        log_path.unlink()
-    env = {**cfg.env, **PATCHED_ENV, **(extra_env or {})}
+    env = {**cfg.env, **patched_env(), **(extra_env or {})}
     obs = Observation(watchdog_s=float(env["WEDGE_ENGINE_WATCHDOG_S"]), shutdown_s=float(env["WEDGE_ENGINE_SHUTDOWN_S"]))
-    spec = ServerSpec(model=model, port=free_port(), extra_args=cfg.flags, env=env)
-    progress(f"starting patched vLLM ({' '.join(cfg.flags) or 'default flags'}; "
-             f"{', '.join(f'{k}={v}' for k, v in env.items())})")
-    t0 = time.monotonic()
-    server = start_server(spec, py, log_path)
-    progress(f"server pid {server.pid} healthy at {server.url} after {time.monotonic() - t0:.0f} s")
+    out_dir = out_dir or Path.cwd() / "wedgectl-repro" / f"{cfg.name}-patched"
+    server, log_path = start_repro_server(cfg, env, python, out_dir, progress, label="patched vLLM")
     notes: list[str] = []
     workload = Workload(server.url, cfg, hold_s=max(120.0, COMPLETION_BOUND_S.get(cfg.expected, 0) + 30))
     try:
         _drive(cfg, server, workload, obs, progress, notes)
-        _drain_stream(workload)
+        if cfg.stream is not None:
+            # Let the healthy stream's requests in flight complete, so the SIGTERM meets a quiet server.
+            workload.drain(join_s=10.0)
         obs.answered_before_sigterm = len(workload.results)
         progress(f"sending SIGTERM to the API server pid {server.pid}")
         t_sig = time.monotonic()
         watcher = _ResultWatcher(workload, t_sig)
-        os.kill(server.pid, signal.SIGTERM)
-        try:
-            server.popen.wait(timeout=obs.shutdown_s + 15)
-            obs.exit_s = round(time.monotonic() - t_sig, 3)
-        except subprocess.TimeoutExpired:  # the hang the fix exists to end
+        signal_server(server, signal.SIGTERM)
+        if wait_exit(server, obs.shutdown_s + 15) is None:  # the hang the fix exists to end
             notes.append("the API server outlived SIGTERM + bound + 15 s")
+        else:
+            obs.exit_s = round(time.monotonic() - t_sig, 3)
         obs.tree_exit_s = round(time.monotonic() - t_sig + stop_server(server, grace=5), 3)
         if cfg.expected == "shutdown_hang":
-            _wait_results(workload, sum(s.count for s in cfg.requests), 5.0)
+            workload.wait_results(sum(s.count for s in cfg.requests), 5.0)
         obs.answered_after_sigterm_s = watcher.stop()
-        obs.upload_closed = _upload_closed(workload)
+        obs.upload_closed = workload.uploads_closed()
         progress(f"SIGTERM -> exit {obs.exit_s} s")
     finally:
         stop_server(server, grace=5)
@@ -307,7 +273,7 @@ def run_patched(
     return result
 
 
-def _drive(cfg: ReproConfig, server: Any, workload: Workload, obs: Observation,
+def _drive(cfg: ReproConfig, server: Server, workload: Workload, obs: Observation,
            progress: Callable[[str], None], notes: list[str]) -> None:
     """Run the workload until the config's outcome is in (or its bound passes)."""
     expected = cfg.expected
@@ -327,13 +293,13 @@ def _drive(cfg: ReproConfig, server: Any, workload: Workload, obs: Observation,
     start = time.monotonic()
     workload.start_now()
     history: list[tuple[float, Any]] = []
-    with httpx.Client(timeout=2.0) as client:
+    with health_client() as client:
         while time.monotonic() - start < bound:
-            snap = _scrape(client, server.url)
+            snap = scrape_snapshot(client, server.url)
             if snap is not None:
                 history.append((time.monotonic(), snap))
                 workload.start_later(snap.generation_tokens or 0)
-            if obs.health_503_after_s is None and _health(client, server.url) == 503:
+            if obs.health_503_after_s is None and health_status(client, server.url) == 503:
                 obs.health_503_after_s = round(time.monotonic() - start, 2)
             done = len([r for r in workload.results if not r.get("stalled_upload")])
             if expected == "shutdown_hang":
@@ -349,13 +315,6 @@ def _drive(cfg: ReproConfig, server: Any, workload: Workload, obs: Observation,
     if expected not in ("progressing", "idle"):
         notes.append(f"outcome not complete within {bound:.0f} s")
         progress(notes[-1])
-
-
-def _health(client: httpx.Client, url: str) -> int | None:
-    try:
-        return client.get(f"{url}/health").status_code
-    except httpx.HTTPError:
-        return None
 
 
 class _ResultWatcher:
@@ -383,45 +342,3 @@ class _ResultWatcher:
         self._stop.set()
         self._thread.join(timeout=1)
         return list(self._times)
-
-
-def _drain_stream(workload: Workload, timeout_s: float = 10.0) -> None:
-    """Stop the healthy stream and let its requests in flight complete, so the SIGTERM meets a quiet server."""
-    if workload.cfg.stream is None:
-        return
-    workload._stop.set()
-    deadline = time.monotonic() + timeout_s
-    for t in workload._threads:
-        t.join(timeout=max(0.0, deadline - time.monotonic()))
-
-
-def _wait_results(workload: Workload, n: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while len(workload.results) < n and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def _upload_closed(workload: Workload) -> bool | None:
-    """Whether the server closed each half-sent upload's socket (EOF or reset); None when there was none."""
-    socks = list(workload._sockets)
-    if not socks:
-        return None
-    for sock in socks:
-        try:
-            sock.settimeout(1.0)
-            while sock.recv(4096):
-                pass  # a response body, then EOF
-        except (TimeoutError, socket.timeout):
-            return False
-        except OSError:
-            continue  # reset: closed
-    return True
-
-
-def patched_main_text(result: PatchedResult) -> list[str]:
-    lines = [f"repro {result.config.name} --patched: {'no hang' if result.passed else 'HANG OR UNCLEAR FAILURE'}"]
-    for c in result.checks:
-        lines.append(f"  {'ok  ' if c.passed else 'FAIL'} {c.name}: {c.detail}"[:400])
-    lines.append(f"server log: {result.log_path}")
-    lines += [f"note: {n}" for n in result.notes]
-    return lines

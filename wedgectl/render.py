@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from wedgectl.bundle import to_jsonable
-from wedgectl.types import Verdict
+from wedgectl.types import BackendStatus, ProbeRecord, ProbeResult, ThreadProbe, Verdict
 
 WIDTH = 80
 
@@ -62,3 +62,162 @@ def render_verdict(verdict: Verdict, width: int = WIDTH, expected: str | None = 
             yield from textwrap.wrap(a, width, initial_indent="  - ", subsequent_indent="    ")
     yield ""
     yield f"rule: {verdict.rule}"
+
+
+# --- probes (`wedgectl probes`, the probe tools) ------------------------------------------
+
+
+def render_backends(statuses: Sequence[BackendStatus], chosen: str | None, programs: Sequence[tuple[str, str, str]],
+                    kernel: str, notes: Sequence[str] = ()) -> Iterator[str]:
+    """What this host supports, and why not, in 80 columns; programs are (name, summary, overhead)."""
+    yield f"probe back-ends on this host (kernel {kernel}), best first:"
+    for s in statuses:
+        mark = "<- used" if s.name == chosen else ""
+        yield f"  {s.name:<9} {'yes' if s.available else 'no ':<4}{mark}"
+        yield from textwrap.wrap(s.reason, WIDTH, initial_indent="      ", subsequent_indent="      ")
+    for note in notes:
+        yield f"  {note}"
+    yield ""
+    yield "programs (wedgectl.probes):"
+    for name, summary, overhead in programs:
+        yield from textwrap.wrap(summary, WIDTH, initial_indent=f"  {name:<11} ", subsequent_indent=" " * 14)
+        yield from textwrap.wrap(f"overhead: {overhead}", WIDTH, initial_indent=" " * 14, subsequent_indent=" " * 14)
+
+
+def _dash(x: float | int | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def render_threads(records: Sequence[ProbeRecord], most: int = 40) -> Iterator[str]:
+    """The probe header, then the threads that waited or ran, longest wait first."""
+    header = next((r for r in records if isinstance(r, ProbeResult)), None)
+    threads = sorted((r for r in records if isinstance(r, ThreadProbe)), key=lambda t: (-(t.wait_s or -1), t.tid))
+    if header is not None:
+        yield f"back-end {header.backend}: {header.reason}"[:200]
+        yield f"window {header.window_s:.1f} s, pids {list(header.pids)}"
+    yield (f"{'TID':>7} {'PID':>7} {'COMM':<15} {'FUTEX':>14} {'WAIT_S':>8} {'WAITS':>6} {'WAKES':>5} "
+           f"{'ON_S':>5} {'OFF_S':>6}")
+    for t in threads[:most]:
+        yield (f"{t.tid:>7} {t.pid:>7} {t.comm[:15]:<15} {_dash(t.futex_addr, '#x'):>14} {_dash(t.wait_s, '.1f'):>8} "
+               f"{_dash(t.waits, 'd'):>6} {_dash(t.wakes_on_addr, 'd'):>5} {_dash(t.oncpu_s, '.1f'):>5} "
+               f"{_dash(t.offcpu_s, '.1f'):>6}")
+    if len(threads) > most:
+        yield f"... {len(threads) - most} more threads"
+
+
+# ------------------------------------------------------------------ a diagnosis (diagnose, repro)
+
+
+def render_report(verdict: Verdict, as_json: bool, expected: str | None = None, **extra: Any) -> Iterator[str]:
+    """What `diagnose` prints: the verdict as text (then what could not be read, and where things are),
+    or the --json object with `extra` (and `expected`) in it."""
+    if as_json:
+        payload = verdict_to_json(verdict, **extra)
+        if expected is not None:
+            payload["expected"] = expected
+        yield dumps(payload)
+        return
+    yield from render_verdict(verdict, expected=expected)
+    for f in extra.get("collector_failures") or ():
+        yield from textwrap.wrap(f"could not read: {f['collector']} {f['kind']}: {f['message']}"[:300], WIDTH,
+                                 subsequent_indent="    ")
+    for key, value in extra.items():
+        if value is not None and key in ("bundle", "log", "pid", "url"):
+            yield f"{key}: {value}"
+
+
+def failure_summary(bundle: Bundle, most: int = 6) -> list[dict[str, Any]]:
+    """What collectors could not read, each distinct failure once."""
+    seen: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for sample in bundle.samples:
+        for f in sample.failures:
+            key = (f.collector, f.kind.value, f.message.split(":")[0])
+            if key not in seen:
+                seen[key] = {"collector": f.collector, "kind": f.kind.value, "message": f.message, "target": f.target}
+    return list(seen.values())[:most]
+
+
+# ------------------------------------------------------------------ repro, repro --patched
+
+
+def render_repro_list(configs: Iterable[ReproConfig]) -> Iterator[str]:
+    """`repro --list`: each bundled repro, the verdict it expects and what it does."""
+    for cfg in configs:
+        yield f"{cfg.name:<16} expect {cfg.expected}"
+        yield from textwrap.wrap(cfg.description, WIDTH - 4, initial_indent="    ", subsequent_indent="    ")
+
+
+def render_repro(result: ReproResult, as_json: bool, keep: bool = False) -> Iterator[str]:
+    """A repro's diagnosis: the verdict against the expected one, and where its bundle and log are."""
+    cfg = result.config
+    if as_json and result.verdict is not None:
+        yield dumps(verdict_to_json(result.verdict, expected=cfg.expected, pid=result.pid, url=result.url,
+                                    bundle=str(result.bundle_path), log=str(result.log_path),
+                                    symptom_s=result.symptom_s, client=result.client_results, notes=result.notes))
+        return
+    yield f"repro {cfg.name}: {cfg.description}"
+    if result.verdict is not None:
+        yield from render_verdict(result.verdict, expected=cfg.expected)
+    yield f"bundle: {result.bundle_path}"
+    yield f"server log: {result.log_path}"
+    yield from (f"note: {n}" for n in result.notes)
+    if keep:
+        yield f"pid: {result.pid}"
+        yield f"url: {result.url}"
+
+
+def render_patched(result: PatchedResult, as_json: bool = False) -> Iterator[str]:
+    """`repro --patched`: no hang or not, then each check with what it measured."""
+    if as_json:
+        yield dumps(result.to_json())
+        return
+    yield f"repro {result.config.name} --patched: {'no hang' if result.passed else 'HANG OR UNCLEAR FAILURE'}"
+    for c in result.checks:
+        yield f"  {'ok  ' if c.passed else 'FAIL'} {c.name}: {c.detail}"[:400]
+    yield f"server log: {result.log_path}"
+    yield from (f"note: {n}" for n in result.notes)
+
+
+# ------------------------------------------------------------------ swap
+
+
+def render_swap_plan(plan: SwapPlan) -> Iterator[str]:
+    """What a swap will do, secrets redacted."""
+    from wedgectl.swap import redact_argv
+
+    fixes = {k: v for k, v in plan.new_env.items() if k.startswith("WEDGE_ENGINE_")}
+    yield f"swap plan for the vLLM server pid {plan.api_pid} at {plan.url}"
+    yield (f"  processes to stop: {' '.join(map(str, plan.tree))} (SIGTERM to {plan.api_pid}, "
+           f"SIGKILL after {plan.stop_grace_s:g} s)")
+    yield f"  command: {' '.join(redact_argv(plan.argv))}"
+    yield f"  cwd: {plan.cwd}"
+    yield f"  interpreter: {plan.python}"
+    yield f"  plugin: {plan.plugin}" + ("" if plan.plugin_ok else " -> install the bundled engine/ first")
+    yield (f"  environment: {len(plan.env)} variables kept; "
+           f"set {', '.join(f'{k}={v}' for k, v in sorted(fixes.items()))}")
+    yield f"  log: {plan.log_path or 'a new file under the wedgectl cache'}"
+    yield f"  then: wait for {plan.url}/health; if it never answers 200, start the original command again"
+    if plan.secret_names:
+        yield f"  secrets kept, not shown: {', '.join(plan.secret_names)}"
+
+
+def render_swap(result: SwapResult, as_json: bool = False) -> Iterator[str]:
+    """A swap's outcome (or, for --dry-run, its plan); --json with secrets redacted."""
+    if as_json:
+        yield dumps(result.to_json())
+        return
+    if result.dry_run:
+        yield from render_swap_plan(result.plan)
+        yield "dry run: nothing was touched"
+        return
+    yield result.message
+    if result.stop_s is not None:
+        yield f"  old server stopped in {result.stop_s:.1f} s" + (" (SIGKILL needed)" if result.killed else "")
+    if result.downtime_s is not None:
+        yield f"  downtime: {result.downtime_s:.1f} s"
+    if result.new_pid is not None:
+        yield f"  pid: {result.new_pid}"
+    yield f"  url: {result.plan.url}"
+    if result.log_path:
+        yield f"  log: {result.log_path}"
+

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import random
-import shutil
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import tomllib
@@ -26,11 +21,20 @@ from wedgectl import exitcodes
 from wedgectl.bundle import write_bundle
 from wedgectl.classify import classify
 from wedgectl.errors import WedgectlError
+from wedgectl.lifecycle import (
+    Server,
+    detach,
+    free_port,
+    health_client,
+    signal_server,
+    start_detached,
+    stop_server,
+)
 from wedgectl.metrics import MetricsParseError, MetricsSnapshot, parse_metrics
-from wedgectl.types import Bundle, Verdict
+from wedgectl.plugin import FIXES_ENV, ensure_engine_plugin
+from wedgectl.types import Verdict
 
 REPROS_DIR = Path(__file__).with_name("repros")
-ENGINE_DIR = Path(__file__).resolve().parent.parent / "engine"
 
 
 class ReproError(WedgectlError):
@@ -155,7 +159,8 @@ class Workload:
         self._sockets: list[socket.socket] = []
 
     def _client(self) -> httpx.Client:
-        c = httpx.Client(timeout=httpx.Timeout(self.hold_s, connect=5.0))
+        # trust_env=False: the server is local; a proxy from the environment must not carry these.
+        c = httpx.Client(timeout=httpx.Timeout(self.hold_s, connect=5.0), trust_env=False)
         with self._lock:
             self._clients.append(c)
         return c
@@ -222,12 +227,39 @@ class Workload:
                 self._start(spec)
         return all(s in self._sent for s in pending)
 
-    def stop(self, join_s: float = 3.0) -> None:
-        """Stop the stream and let short requests finish (an open one would hold uvicorn's shutdown)."""
+    def drain(self, join_s: float) -> None:
+        """Stop the stream and wait (bounded) for the requests in flight; connections stay open."""
         self._stop.set()
         deadline = time.monotonic() + join_s
         for t in self._threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def wait_results(self, n: int, timeout_s: float) -> None:
+        """Wait (bounded) until n requests have their outcome recorded."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.results) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def uploads_closed(self) -> bool | None:
+        """Whether the server closed each half-sent upload's socket (EOF or reset); None when there was none."""
+        with self._lock:
+            socks = list(self._sockets)
+        if not socks:
+            return None
+        for sock in socks:
+            try:
+                sock.settimeout(1.0)
+                while sock.recv(4096):
+                    pass  # a response body, then EOF
+            except (TimeoutError, socket.timeout):
+                return False
+            except OSError:
+                continue  # reset: closed
+        return True
+
+    def stop(self, join_s: float = 3.0) -> None:
+        """Stop the stream and let short requests finish (an open one would hold uvicorn's shutdown)."""
+        self.drain(join_s)
         with self._lock:
             for sock in self._sockets:
                 sock.close()
@@ -274,9 +306,6 @@ def symptom_reached(until: str, history: list[tuple[float, MetricsSnapshot]], se
     raise ReproError(f"unknown symptom {until!r}")
 
 
-_scrape = scrape_snapshot  # the name wedgectl.patched imports
-
-
 # ------------------------------------------------------------------ the run
 
 
@@ -297,60 +326,30 @@ class ReproResult:
         return self.verdict is not None and self.verdict.verdict.value == self.config.expected
 
 
-def ensure_engine_plugin(python: Path, progress: Callable[[str], None]) -> None:
-    """Install engine/ (the wedge_engine plugin) into the server's environment if it is not there."""
-    probe = subprocess.run(
-        [str(python), "-c", "import importlib.metadata as m; print(m.version('wedgectl-engine'))"],
-        capture_output=True, text=True, timeout=60,
-    )
-    want = _engine_version()
-    marker = _engine_marker(python)
-    source = _engine_source_hash()
-    installed = marker.read_text().strip() if marker.exists() else ""
-    if (probe.returncode == 0 and probe.stdout.strip() == want and installed == source
-            and not os.environ.get("WEDGECTL_REINSTALL_ENGINE")):
-        return
-    if not (ENGINE_DIR / "pyproject.toml").exists():
-        raise ReproError(f"the engine plugin source is not at {ENGINE_DIR}; install wedgectl-engine into {python}'s env")
-    progress(f"installing the engine plugin into {python}")
-    with tempfile.TemporaryDirectory(prefix="wedge-engine-") as tmp:
-        # Build from a copy: pip leaves build/ and egg-info behind in the folder it builds.
-        src = Path(tmp) / "engine"
-        shutil.copytree(ENGINE_DIR, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-        r = subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(src)],
-            capture_output=True, text=True, timeout=300,
-        )
-    if r.returncode != 0:
-        raise ReproError(f"pip could not install the engine plugin: {r.stderr.strip().splitlines()[-1:]}")
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(source + "\n")
+def start_repro_server(
+    cfg: ReproConfig,
+    env: dict[str, str],
+    python: str | None,
+    out_dir: Path,
+    progress: Callable[[str], None],
+    label: str = "vLLM",
+) -> tuple[Server, Path]:
+    """Install the plugin, then start the config's server with `env`, logging to out_dir/server.log."""
+    from wedgectl.runtime import ServerSpec, ensure_tiny_model, runtime_python, start_server
 
-
-def _engine_source_hash() -> str:
-    """A digest of engine/'s sources: a change reinstalls the plugin even at the same version."""
-    h = hashlib.sha256()
-    for path in sorted(ENGINE_DIR.rglob("*")):
-        if path.is_file() and path.suffix in (".py", ".toml") and "build" not in path.parts:
-            h.update(str(path.relative_to(ENGINE_DIR)).encode())
-            h.update(path.read_bytes())
-    return h.hexdigest()[:16]
-
-
-def _engine_marker(python: Path) -> Path:
-    """Where we note which engine/ sources were installed into that interpreter's environment."""
-    from wedgectl.runtime.install import cache_dir
-
-    key = hashlib.sha256(str(Path(python).absolute()).encode()).hexdigest()[:16]
-    return cache_dir() / "engine-installed" / f"{key}.txt"
-
-
-def _engine_version() -> str:
-    try:
-        data = tomllib.loads((ENGINE_DIR / "pyproject.toml").read_text())
-        return str(data["project"]["version"])
-    except (OSError, KeyError, tomllib.TOMLDecodeError):
-        return ""
+    py = runtime_python(python)
+    ensure_engine_plugin(py, progress)
+    model = ensure_tiny_model(py)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / "server.log"
+    log_path.unlink(missing_ok=True)
+    spec = ServerSpec(model=model, port=free_port(), extra_args=cfg.flags, env=env)
+    described = ", ".join(f"{k}={v}" for k, v in env.items()) or "no fault"
+    progress(f"starting {label} ({' '.join(cfg.flags) or 'default flags'}; {described})")
+    t0 = time.monotonic()
+    server = start_server(spec, py, log_path)
+    progress(f"server pid {server.pid} healthy at {server.url} after {time.monotonic() - t0:.0f} s")
+    return server, log_path
 
 
 def run_repro(
@@ -363,45 +362,27 @@ def run_repro(
     progress: Callable[[str], None] = lambda _m: None,
 ) -> ReproResult:
     """Start the server, drive the workload, wait for the symptom, diagnose, tear down."""
-    from wedgectl.runtime.install import runtime_python
-    from wedgectl.runtime.launcher import ServerSpec, free_port, start_server, stop_server
-    from wedgectl.runtime.tinymodel import ensure_tiny_model
     from wedgectl.sampler import SamplerOptions, capture
 
-    py = runtime_python(python)
-    ensure_engine_plugin(py, progress)
-    model = ensure_tiny_model(py)
+    env = {**cfg.env, **(FIXES_ENV if patched else {})}
     out_dir = out_dir or Path.cwd() / "wedgectl-repro" / cfg.name
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log_path = out_dir / "server.log"
-    if log_path.exists():
-        log_path.unlink()
-    env = dict(cfg.env)
-    if patched:
-        env["WEDGE_ENGINE_FIXES"] = "all"
-    spec = ServerSpec(model=model, port=free_port(), extra_args=cfg.flags, env=env)
-    progress(f"starting vLLM ({' '.join(cfg.flags) or 'default flags'}; {', '.join(f'{k}={v}' for k, v in env.items()) or 'no fault'})")
-    t0 = time.monotonic()
-    server = start_server(spec, py, log_path)
-    progress(f"server pid {server.pid} healthy at {server.url} after {time.monotonic() - t0:.0f} s")
+    server, log_path = start_repro_server(cfg, env, python, out_dir, progress)
     notes: list[str] = []
     workload = Workload(server.url, cfg)
-    holder: subprocess.Popen | None = None
+    holder = None
     verdict: Verdict | None = None
     bundle_path: Path | None = None
     symptom_s: float | None = None
     try:
         if keep:
             # The clients must outlive wedgectl, or vLLM aborts their requests and the hang is gone.
-            holder = subprocess.Popen(
-                [sys.executable, "-m", "wedgectl._hold", server.url, str(server.pid), str(cfg.path), str(out_dir / "client.json")],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            )
+            holder = start_detached([sys.executable, "-m", "wedgectl._hold", server.url, str(server.pid),
+                                     str(cfg.path), str(out_dir / "client.json")])
         else:
             workload.start_now()
         history: list[tuple[float, MetricsSnapshot]] = []
         start = time.monotonic()
-        with httpx.Client(timeout=2.0) as client:
+        with health_client() as client:
             while time.monotonic() - start < cfg.timeout_s:
                 snap = scrape_snapshot(client, server.url)
                 if snap is not None:
@@ -419,7 +400,7 @@ def run_repro(
         if cfg.shutdown_signal:
             sig = getattr(signal, cfg.shutdown_signal)
             progress(f"sending {cfg.shutdown_signal} to the API server pid {server.pid}")
-            os.kill(server.pid, sig)
+            signal_server(server, sig)
             time.sleep(cfg.shutdown_after_s)
         progress("diagnosing")
         bundle = capture(pid=server.pid, log_path=str(log_path), options=SamplerOptions(window_s=window_s, progress=progress))
@@ -430,9 +411,7 @@ def run_repro(
             (out_dir / "client.json").write_text(json.dumps(workload.results, indent=2))
     finally:
         if keep:
-            from wedgectl.runtime import launcher
-
-            launcher.detach(server)
+            detach(server)
             progress(f"--keep: server left running, pid {server.pid}, {server.url}; its clients: pid "
                      f"{holder.pid if holder else '?'} (they hold the requests open for up to 1 h)")
         else:
@@ -446,19 +425,3 @@ def run_repro(
         except (OSError, ValueError):
             pass
     return ReproResult(cfg, verdict, server.pid, server.url, bundle_path, log_path, results, symptom_s, notes)
-
-
-def repro_main_text(result: ReproResult) -> list[str]:
-    from wedgectl.render import render_verdict
-
-    lines = [f"repro {result.config.name}: {result.config.description}"]
-    if result.verdict is not None:
-        lines += list(render_verdict(result.verdict, expected=result.config.expected))
-    lines.append(f"bundle: {result.bundle_path}")
-    lines.append(f"server log: {result.log_path}")
-    lines += [f"note: {n}" for n in result.notes]
-    return lines
-
-
-def progress_to_stderr(msg: str) -> None:
-    print(f"wedgectl: {msg}", file=sys.stderr, flush=True)

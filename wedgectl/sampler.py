@@ -31,6 +31,7 @@ from wedgectl.types import (
     Sample,
     StackDump,
     Target,
+    VerdictKind,
 )
 
 CERTAIN = 0.9
@@ -237,8 +238,14 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
 
 def fatal_problem(bundle: Bundle) -> WedgectlError | None:
     """Whether a capture found nothing to classify at all: the exit code says why."""
-    if EXITED_NOTE in bundle.manifest.notes and sum(1 for s in bundle.samples if s.processes) <= 1:
-        return NoSuchProcess(f"pid {bundle.manifest.target.pid} exited before a second sample could be taken")
+    if EXITED_NOTE in bundle.manifest.notes:
+        seen = sum(1 for s in bundle.samples if s.processes)
+        if seen <= 1:
+            return NoSuchProcess(f"pid {bundle.manifest.target.pid} exited before a second sample could be taken")
+        # Whether the exit lands before or after a loaded host's second sample is a race; when the
+        # samples before it decide nothing, the exit is the answer either way, not "inconclusive".
+        if classify(bundle).verdict is VerdictKind.INCONCLUSIVE:
+            return NoSuchProcess(f"pid {bundle.manifest.target.pid} exited mid-capture, after {seen} samples that decide nothing")
     if bundle.manifest.source != "url":
         return None
     scrapes = [s.metrics for s in bundle.samples if s.metrics is not None]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 from wedgectl import __version__
 from wedgectl.errors import InputNotFound, NoVllmLines, UnreadableInput
@@ -14,27 +16,77 @@ from wedgectl.types import Bundle, Manifest, Target
 
 MAX_LOG_BYTES = 64 << 20  # the tail is what matters for a hang; a bigger log is read from its end
 
+_NOT_REGULAR = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def _os_error(p: Path, exc: OSError) -> Exception:
+    if isinstance(exc, FileNotFoundError):
+        return InputNotFound(f"{p}: no such file or directory")
+    if isinstance(exc, PermissionError):
+        return UnreadableInput(f"{p}: permission denied")
+    return UnreadableInput(f"{p}: {exc.strerror or exc}")
+
+
+def stat_input(path: str | Path) -> os.stat_result:
+    """stat() of a path the operator gave, following symlinks; InputNotFound / UnreadableInput."""
+    p = Path(path)
+    try:
+        return os.stat(p)
+    except OSError as exc:
+        raise _os_error(p, exc) from None
+
+
+def require_regular(path: str | Path, st: os.stat_result) -> None:
+    """UnreadableInput unless st is a regular file: a FIFO would block a read, /dev/zero never ends."""
+    if not stat.S_ISREG(st.st_mode):
+        kind = _NOT_REGULAR.get(stat.S_IFMT(st.st_mode), "not a regular file")
+        raise UnreadableInput(f"{path}: is {kind}, not a regular file")
+
+
+def open_regular(path: str | Path) -> BinaryIO:
+    """Open a regular file for reading without ever blocking; anything else is refused with one line.
+
+    stat() first, so a device or FIFO is never opened at all; then open with O_NONBLOCK (a FIFO
+    swapped in meanwhile cannot block the open) and check the descriptor itself, so the file read is
+    the file checked. Symlinks are followed on purpose: operators hand symlinked logs
+    (/var/log/.../current); what matters is that what they lead to is a regular file.
+    """
+    p = Path(path)
+    require_regular(p, stat_input(p))
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _os_error(p, exc) from None
+    try:
+        require_regular(p, os.fstat(fd))
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
 
 def read_log_lines(path: str | Path, max_bytes: int = MAX_LOG_BYTES) -> tuple[tuple[str, ...], list[str]]:
     """The log's lines (its last max_bytes), and notes about what was done to read it."""
     p = Path(path)
     notes: list[str] = []
-    if not p.exists():
-        raise InputNotFound(f"{p}: no such file")
-    if p.is_dir():
+    if stat.S_ISDIR(stat_input(p).st_mode):
         raise UnreadableInput(f"{p}: is a directory, not a log file (use --bundle for a bundle directory)")
     try:
-        size = p.stat().st_size
-        with p.open("rb") as fh:
+        with open_regular(p) as fh:
+            size = os.fstat(fh.fileno()).st_size
             if size > max_bytes:
                 fh.seek(size - max_bytes)
-                fh.readline()  # drop the partial first line
+                fh.readline(max_bytes)  # drop the partial first line
                 notes.append(f"log is {size} bytes; read its last {max_bytes}")
-            data = fh.read()
-    except PermissionError:
-        raise UnreadableInput(f"{p}: permission denied") from None
+            data = fh.read(max_bytes)  # bounded even when the log grows while we read
     except OSError as exc:
-        raise UnreadableInput(f"{p}: {exc.strerror or exc}") from None
+        raise _os_error(p, exc) from None
     if not data.strip():
         raise UnreadableInput(f"{p}: the file is empty")
     head = data[:8192]

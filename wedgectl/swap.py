@@ -3,16 +3,16 @@
 The plan comes from /proc: the API server's command line, environment and
 working directory, the deployment's process tree and the port it serves.
 The swap: make sure the server's interpreter can import the plugin (install
-the bundled engine/ if not, or if older), stop the old tree (SIGTERM to the
-API server, SIGKILL to whatever of the tree is left after a bound: it works on
-a server stuck in the shutdown hang), start the same command in the same
-directory with ``WEDGE_ENGINE_FIXES=all`` on the same port, wait for /health,
-report the downtime. If the patched server never gets healthy, the original
+the one this wedgectl carries if not, or if older), stop the old tree
+(lifecycle.stop_tree: SIGTERM to the API server, SIGKILL to whatever of the
+tree is left after a bound: it works on a server stuck in the shutdown hang),
+start the same command in the same directory with the fixes on
+(plugin.FIXES_ENV) on the same port, wait for /health, report the downtime. If the patched server never gets healthy, the original
 command is started again and the result says so.
 
-Secrets never leave this module unredacted: environment variables whose names
-look like credentials and the values of flags such as ``--api-key`` are
-printed and serialised as ``<redacted>``; the real values only go to the new
+Secrets are never shown: environment variables whose names look like
+credentials and the values of flags such as ``--api-key`` are printed
+(render.render_swap) and serialised as ``<redacted>``; the real values only go to the new
 process's environment and argv.
 """
 
@@ -22,8 +22,6 @@ import contextlib
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,20 +29,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-import psutil
-
 from wedgectl import exitcodes
 from wedgectl.errors import NoSuchProcess, NotVllm, WedgectlError
+from wedgectl.lifecycle import (
+    Command,
+    Server,
+    ServerStartError,
+    launch,
+    stop_server,
+    stop_tree,
+    wait_healthy,
+    wait_port_free,
+)
+from wedgectl.plugin import (
+    ACTIVE_ENV,
+    FIXES_ENV,
+    PluginInstallError,
+    engine_version,
+    ensure_engine_plugin,
+    installed_version,
+)
 
 REDACTED = "<redacted>"
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSW|CREDENTIAL|AUTH|COOKIE|SESSION", re.IGNORECASE)
-# Environment of the swapped-in server: the fixes on; the per-fix settings the deployment has are kept.
-FIX_ENV = {"WEDGE_ENGINE_FIXES": "all"}
 # Set at run time by the plugin in the old API server; the new one makes its own.
 DROP_ENV = ("WEDGE_ENGINE_STATUS_FILE",)
 STOP_GRACE_S = 15.0
 HEALTH_TIMEOUT_S = 600.0
+PORT_WAIT_S = 10.0  # for the stopped server's port to be free again
 
 
 class SwapError(WedgectlError):
@@ -117,28 +129,13 @@ class SwapPlan:
     @property
     def new_env(self) -> dict[str, str]:
         env = {k: v for k, v in self.env.items() if k not in DROP_ENV}
-        env.update(FIX_ENV)
+        env.update(FIXES_ENV)  # the fixes on; the per-fix settings the deployment has are kept
         return env
 
-    def describe(self) -> list[str]:
-        """The plan, secrets redacted, 80 columns where it can."""
-        fixes = {k: v for k, v in self.new_env.items() if k.startswith("WEDGE_ENGINE_")}
-        lines = [
-            f"swap plan for the vLLM server pid {self.api_pid} at {self.url}",
-            f"  processes to stop: {' '.join(map(str, self.tree))} (SIGTERM to {self.api_pid}, "
-            f"SIGKILL after {self.stop_grace_s:g} s)",
-            f"  command: {' '.join(redact_argv(self.argv))}",
-            f"  cwd: {self.cwd}",
-            f"  interpreter: {self.python}",
-            f"  plugin: {self.plugin}" + ("" if self.plugin_ok else " -> install the bundled engine/ first"),
-            f"  environment: {len(self.env)} variables kept; set {', '.join(f'{k}={v}' for k, v in sorted(fixes.items()))}",
-            f"  log: {self.log_path or 'a new file under the wedgectl cache'}",
-            f"  then: wait for {self.url}/health; if it never answers 200, start the original command again",
-        ]
-        secret = sorted(k for k in self.env if is_secret_name(k))
-        if secret:
-            lines.append(f"  secrets kept, not shown: {', '.join(secret)}")
-        return lines
+    @property
+    def secret_names(self) -> list[str]:
+        """Variables kept for the new server whose values are never shown."""
+        return sorted(k for k in self.env if is_secret_name(k))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -174,21 +171,6 @@ class SwapResult:
     @property
     def url(self) -> str:
         return self.plan.url
-
-    def lines(self) -> list[str]:
-        if self.dry_run:
-            return [*self.plan.describe(), "dry run: nothing was touched"]
-        out = [self.message]
-        if self.stop_s is not None:
-            out.append(f"  old server stopped in {self.stop_s:.1f} s" + (" (SIGKILL needed)" if self.killed else ""))
-        if self.downtime_s is not None:
-            out.append(f"  downtime: {self.downtime_s:.1f} s")
-        if self.new_pid is not None:
-            out.append(f"  pid: {self.new_pid}")
-        out.append(f"  url: {self.plan.url}")
-        if self.log_path:
-            out.append(f"  log: {self.log_path}")
-        return out
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -251,16 +233,13 @@ def host_and_port(argv: Sequence[str], base_url: str | None) -> tuple[str, int]:
 
 def probe_plugin(python: str, env: Mapping[str, str]) -> tuple[str, bool]:
     """What the server's interpreter has of the plugin: (description, whether it has this version's fixes)."""
-    from wedgectl.repro import _engine_version
-
-    want = _engine_version()
-    probe_env = {k: v for k, v in env.items() if k not in ("WEDGE_ENGINE_FIXES", "WEDGE_ENGINE_FAULT")}
+    want = engine_version()
+    # Asked with the plugin inactive: a fault or fix must not run in the probe.
+    probe_env = {k: v for k, v in env.items() if k not in ACTIVE_ENV}
     try:
-        r = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('wedgectl-engine'))"],
-                           capture_output=True, text=True, timeout=60, env=probe_env)
+        have = installed_version(python, env=probe_env)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"unknown ({type(exc).__name__})", False
-    have = r.stdout.strip() if r.returncode == 0 else ""
     if not have:
         return "missing", False
     if _version_tuple(have) < _version_tuple(want):
@@ -297,94 +276,21 @@ def plan_swap(pid: int, proc_root: Path = Path("/proc")) -> SwapPlan:
 # ------------------------------------------------------------------ stopping and starting
 
 
-def _exited(proc: psutil.Process) -> bool:
-    try:
-        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return True
+def start_command(argv: Sequence[str], env: Mapping[str, str], cwd: str, url: str, log_path: str,
+                  health_timeout_s: float) -> tuple[Server, str]:
+    """Start the server detached (it outlives wedgectl), output appended to log_path; wait for /health.
 
-
-def _reap(pid: int) -> None:
-    """Collect `pid` if it is our child (started by a swap in this process), so it leaves no zombie."""
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
-
-
-def stop_process_tree(pid: int, grace_s: float = STOP_GRACE_S, extra: Sequence[int] = ()) -> tuple[float, bool]:
-    """SIGTERM `pid`, SIGKILL it and its descendants (and `extra`) if still there after grace_s.
-
-    Returns (seconds until all had exited, whether SIGKILL was needed). A zombie
-    counts as exited; our own children are reaped.
+    (server, "") once healthy; (server, why) when it exited or stayed silent.
     """
-    start = time.monotonic()
-    procs: dict[int, psutil.Process] = {}
-    with contextlib.suppress(psutil.Error):
-        root = psutil.Process(pid)
-        procs[pid] = root
-        for child in root.children(recursive=True):
-            procs[child.pid] = child
-    for p in extra:
-        with contextlib.suppress(psutil.Error):
-            procs.setdefault(p, psutil.Process(p))
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, signal.SIGTERM)
-    killed = False
-    deadline = start + grace_s
-    while True:
-        _reap(pid)
-        alive = [p for p in procs.values() if not _exited(p)]
-        if not alive:
-            break
-        if time.monotonic() >= deadline:
-            if killed:
-                break  # SIGKILLed 5 s ago and still not gone: nothing more to do
-            killed = True
-            for p in alive:
-                with contextlib.suppress(psutil.Error):
-                    p.kill()
-            deadline = time.monotonic() + 5
-        time.sleep(0.05)
-    elapsed = time.monotonic() - start
-    _reap(pid)
-    return elapsed, killed
-
-
-def port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("" if host in ("127.0.0.1", "localhost") else host, port))
-        except OSError:
-            return False
-    return True
-
-
-def start_command(argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: str) -> subprocess.Popen:
-    """Start the server detached (its own session: it outlives wedgectl), output appended to log_path."""
     tmp = env.get("TMPDIR")
     if tmp:
         os.makedirs(tmp, exist_ok=True)  # a launcher may have removed the old server's temp folder
-    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(list(argv), cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def wait_healthy(url: str, popen: subprocess.Popen, timeout_s: float) -> tuple[bool, str]:
-    """Poll url/health until 200; (False, why) if the process exits or the time runs out."""
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            code = popen.poll()
-            if code is not None:
-                return False, f"it exited with code {code}"
-            try:
-                if client.get(f"{url}/health").status_code == 200:
-                    return True, ""
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-    return False, f"/health did not answer 200 within {timeout_s:.0f} s"
+    server = launch(Command(argv=tuple(argv), env=env, url=url, log_path=Path(log_path), cwd=cwd), owned=False)
+    try:
+        wait_healthy(server, health_timeout_s)
+    except ServerStartError as exc:
+        return server, exc.reason
+    return server, ""
 
 
 def _new_log_path(plan: SwapPlan) -> str:
@@ -414,39 +320,36 @@ def swap_deployment(
     result = SwapResult(plan, dry_run=False, ok=False, message="")
     say = _Say(progress, result, plan)
     if not plan.plugin_ok:
-        from wedgectl.repro import ReproError, ensure_engine_plugin
-
         say(f"plugin in {plan.python}: {plan.plugin}; installing the bundled engine/")
         try:
             ensure_engine_plugin(Path(plan.python), say)
-        except ReproError as exc:
+        except PluginInstallError as exc:
             raise SwapError(f"cannot install the plugin into {plan.python}: {exc}; nothing was stopped") from None
     say(f"stopping pid {plan.api_pid} and its tree (SIGTERM, SIGKILL after {plan.stop_grace_s:g} s)")
     t_stop = time.monotonic()
-    result.stop_s, result.killed = stop_process_tree(plan.api_pid, plan.stop_grace_s, extra=plan.tree)
+    stopped = stop_tree(plan.api_pid, plan.stop_grace_s, extra=plan.tree)
+    result.stop_s, result.killed = stopped.seconds, stopped.killed
     say(f"old server gone after {result.stop_s:.1f} s" + (" (SIGKILL needed)" if result.killed else ""))
-    _wait_port(plan.host, plan.port, 10.0)
+    wait_port_free(plan.host, plan.port, PORT_WAIT_S)
     log_path = _new_log_path(plan)
     result.log_path = log_path
-    say(f"starting the same command with {', '.join(f'{k}={v}' for k, v in FIX_ENV.items())} on port {plan.port}")
-    popen = start_command(plan.argv, plan.new_env, plan.cwd, log_path)
-    healthy, why = wait_healthy(plan.url, popen, health_timeout_s)
-    if healthy:
+    say(f"starting the same command with {', '.join(f'{k}={v}' for k, v in FIXES_ENV.items())} on port {plan.port}")
+    new, why = start_command(plan.argv, plan.new_env, plan.cwd, plan.url, log_path, health_timeout_s)
+    if not why:
         result.ok = True
-        result.new_pid = popen.pid
+        result.new_pid = new.pid
         result.downtime_s = round(time.monotonic() - t_stop, 2)
-        result.message = (f"swapped: pid {popen.pid} serves {plan.url} with the wedge_engine fixes on "
+        result.message = (f"swapped: pid {new.pid} serves {plan.url} with the wedge_engine fixes on "
                           f"(downtime {result.downtime_s:.1f} s)")
         say(result.message)
         return result
     say(f"the patched server did not become healthy: {why}; starting the original command again")
-    stop_process_tree(popen.pid, 5.0)
-    _wait_port(plan.host, plan.port, 10.0)
-    original = start_command(plan.argv, plan.env, plan.cwd, log_path)
-    back, why_back = wait_healthy(plan.url, original, health_timeout_s)
+    stop_server(new, grace=5.0)
+    wait_port_free(plan.host, plan.port, PORT_WAIT_S)
+    original, why_back = start_command(plan.argv, plan.env, plan.cwd, plan.url, log_path, health_timeout_s)
     result.rolled_back = True
     result.new_pid = original.pid
-    if back:
+    if not why_back:
         result.downtime_s = round(time.monotonic() - t_stop, 2)
         result.message = (f"swap failed: the patched server did not become healthy ({why}); the original "
                           f"command is running again as pid {original.pid} (downtime {result.downtime_s:.1f} s)")
@@ -467,9 +370,3 @@ class _Say:
         msg = redact_text(msg, self.plan.env, self.plan.argv)
         self.result.steps.append(msg)
         self.progress(msg)
-
-
-def _wait_port(host: str, port: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not port_free(host, port) and time.monotonic() < deadline:
-        time.sleep(0.1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +103,51 @@ class ThreadSample:
 
 
 @dataclass(frozen=True)
+class FutexGroup:
+    """The threads of one process in a futex wait on one address: one lock.
+
+    Threads contending for the same threading.Lock share an address. threading.Condition
+    (hence Event, Queue, Thread.join) parks each waiter on a fresh lock of its own, so the
+    waiters of one Condition show *distinct* addresses."""
+
+    addr: int
+    tids: tuple[int, ...]  # in the order the threads were read
+
+
+@dataclass(frozen=True)
+class FutexWaiters:
+    """The threads of one process in a futex wait, grouped by address: the one grouping the
+    classifier, `top` and the collectors share. A thread counts whatever its futex op (a
+    thread caught inside FUTEX_WAKE is grouped too); in a parked process nearly every one
+    is a wait, and the classifier has always counted them so."""
+
+    groups: tuple[FutexGroup, ...]  # most waiters first; ties in the order first seen
+    n_threads: int  # threads looked at, waiting or not
+
+    @classmethod
+    def of(cls, threads: Sequence[ThreadSample]) -> FutexWaiters:
+        by_addr: dict[int, list[int]] = {}
+        for t in threads:
+            if t.in_futex_wait:
+                by_addr.setdefault(t.futex_addr or 0, []).append(t.tid)
+        ranked = sorted(by_addr.items(), key=lambda kv: -len(kv[1]))
+        return cls(tuple(FutexGroup(a, tuple(tids)) for a, tids in ranked), len(threads))
+
+    @property
+    def n_waiting(self) -> int:
+        return sum(len(g.tids) for g in self.groups)
+
+    @property
+    def by_addr(self) -> dict[int, tuple[int, ...]]:
+        """futex address -> tids parked on it."""
+        return {g.addr: g.tids for g in self.groups}
+
+    def sharing(self, addr: int | None) -> int:
+        """Threads waiting on addr (0 for None or an address nobody waits on)."""
+        return len(self.by_addr.get(addr, ())) if addr is not None else 0
+
+
+@dataclass(frozen=True)
 class ProcessSample:
     """One process of the deployment at one instant."""
 
@@ -123,6 +169,11 @@ class ProcessSample:
     def cpu_s(self) -> float:
         return self.cpu_user_s + self.cpu_system_s
 
+    @property
+    def futex_waiters(self) -> FutexWaiters:
+        """Its threads in a futex wait, grouped by address."""
+        return FutexWaiters.of(self.threads)
+
 
 @dataclass(frozen=True)
 class StackDump:
@@ -135,6 +186,106 @@ class StackDump:
     error: str | None = None
 
 
+class ProbeMode(str, enum.Enum):
+    """`diagnose --ebpf`: the best back-end down to /proc (auto), the same but an eBPF one is wanted (on), none."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+class ProbeBackend(str, enum.Enum):
+    """A probe back-end, best first; AUTO lets the collector pick."""
+
+    AUTO = "auto"
+    BCC = "bcc"
+    BPFTRACE = "bpftrace"
+    PROCFS = "procfs"
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """One probe back-end on this host: whether it can run, and why (not)."""
+
+    name: str
+    available: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class ProbeSkip:
+    """A better back-end that could not run (or failed to start), and why."""
+
+    backend: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class WakeCall:
+    """Calls of a FUTEX_WAKE-family op on one address by one thread over a probe window."""
+
+    pid: int
+    addr: int
+    waker: int  # the calling tid
+    calls: int
+    woken: int  # waiters those calls woke (all wakers of the address together)
+
+
+# kind first and keyword-only: the JSON record keeps "kind" as its first key, as bundles always had
+@dataclass(frozen=True, kw_only=True)
+class ProbeResult:
+    """The header of one probe run: which back-end measured, over which window, and the wake table."""
+
+    kind: str = "probe"
+    backend: str
+    reason: str
+    skipped: tuple[ProbeSkip, ...] = ()
+    probes: tuple[str, ...] = ()  # the programs that ran (none for procfs)
+    pids: tuple[int, ...] = ()
+    window_s: float = 0.0
+    started: float = 0.0  # unix times
+    ended: float = 0.0
+    wakes: tuple[WakeCall, ...] = ()  # most calls first
+    maps_full: tuple[str, ...] = ()  # maps that hit their size limit (new keys were dropped)
+    clock_offsets_s: dict[str, float] = field(default_factory=dict)  # per CPU: monotonic - scheduler clock
+    overhead: dict[str, str] = field(default_factory=dict)  # each probe's measured cost
+
+
+@dataclass(frozen=True, kw_only=True)
+class ThreadProbe:
+    """One thread over a probe window. Times in seconds; None where the back-end cannot tell."""
+
+    kind: str = "thread"
+    tid: int
+    pid: int
+    comm: str
+    backend: str
+    futex_addr: int | None = None  # the futex it waits on at the end of the window (None: not in a wait)
+    wait_s: float | None = None  # how long that wait has lasted, at the end of the window
+    wait_started: float | None = None  # unix time that wait began
+    wait_source: str = ""  # "tracepoint" (began in the window), "sched" (se.exec_start), "window" (>= window)
+    parked_throughout: bool = False  # in that same wait for the whole window (never ran)
+    waits: int | None = None  # futex waits begun in the window
+    total_wait_s: float | None = None  # time spent in futex waits within the window
+    wakes_on_addr: int | None = None  # wake-op calls on futex_addr (same process) in the window
+    wakers: tuple[int, ...] = ()  # tids that made those calls
+    oncpu_s: float | None = None
+    offcpu_s: float | None = None  # blocked (sleeping) off the CPU
+    runq_s: float | None = None  # runnable but waiting for a CPU
+    window_s: float = 0.0
+    pylock_addr: int | None = None  # pylockwait: the Python lock it blocks on now
+    pylock_waits: int | None = None
+    pylock_wait_s: float | None = None
+
+    @property
+    def is_main(self) -> bool:
+        """The process's main thread (tid == pid): where vLLM's busy loops run."""
+        return self.tid == self.pid
+
+
+ProbeRecord = ProbeResult | ThreadProbe
+
+
 @dataclass(frozen=True)
 class Sample:
     """Everything collected at one point of the sampling window."""
@@ -145,7 +296,7 @@ class Sample:
     health_error: str | None = None
     processes: tuple[ProcessSample, ...] = ()
     stacks: tuple[StackDump, ...] = ()
-    probes: tuple[dict[str, Any], ...] = ()  # per-thread eBPF results, raw
+    probes: tuple[ProbeRecord, ...] = ()  # one ProbeResult, then one ThreadProbe per thread (probes/README.md)
     failures: tuple[CollectorFailure, ...] = ()
 
 

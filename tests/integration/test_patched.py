@@ -10,10 +10,12 @@ import httpx
 import pytest
 
 from wedgectl.metrics import parse_metrics
-from wedgectl.patched import patched_main_text, run_patched
-from wedgectl.repro import ensure_engine_plugin, find_config, list_configs
+from wedgectl.lifecycle import log_tail
+from wedgectl.patched import run_patched
+from wedgectl.plugin import ensure_engine_plugin
+from wedgectl.render import render_patched
+from wedgectl.repro import find_config, list_configs
 from wedgectl.runtime import ServerSpec, free_port, running_server
-from wedgectl.runtime.launcher import log_tail
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +27,7 @@ WEDGING = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 
 @pytest.mark.parametrize("name", [c.name for c in list_configs()])
 def test_repro_patched_does_not_hang(name: str, vllm_python: Path, tiny_model: Path, tmp_path: Path) -> None:
     result = run_patched(find_config(name), python=str(vllm_python), out_dir=tmp_path)
-    report = "\n".join(patched_main_text(result))
+    report = "\n".join(render_patched(result))
     assert result.passed, f"{report}\n--- server log tail ---\n{log_tail(result.log_path) if result.log_path else ''}"
     exit_check = next(c for c in result.checks if c.name == "exit on SIGTERM")
     assert exit_check.seconds is not None and exit_check.seconds <= result.observation.shutdown_s + 0.5

@@ -22,10 +22,12 @@ import httpx
 import psutil
 import pytest
 
+from wedgectl.bundle import to_jsonable
 from wedgectl.collect import ebpf, procfs, pyspy
 from wedgectl.collect.processes import process_tree, role_of
 from wedgectl.metrics import MetricsParseError, parse_metrics
-from wedgectl.repro import ensure_engine_plugin
+from wedgectl.plugin import ensure_engine_plugin
+from wedgectl.probefacts import probe_evidence
 from wedgectl.runtime import ServerSpec, ensure_tiny_model, free_port, start_server, stop_server
 from wedgectl.types import ProcessSample, Role, Sample
 
@@ -103,8 +105,8 @@ def test_probe_on_the_engine_deadlock(vllm_python: Path, tmp_path: Path) -> None
         records, failures = ebpf.run_probes(pids, 3.0, backend="bpftrace")
         t_done = time.monotonic()
         assert not [f for f in failures if f.kind.value not in ("gone",)], failures
-        header = records[0]
-        threads = {r["tid"]: r for r in records[1:]}
+        header, *rest = to_jsonable(records)
+        threads = {r["tid"]: r for r in rest}
         t = threads[tid]
         lasted = t_done - t_stall
         print(f"stalled Worker thread {tid}: {t}\nstall lasted {lasted:.2f} s; header {header}")
@@ -121,7 +123,7 @@ def test_probe_on_the_engine_deadlock(vllm_python: Path, tmp_path: Path) -> None
         sample = Sample(t=time.time(), processes=tuple(ProcessSample(pid=p, ppid=0, role=role_of(psutil.Process(p)),
                                                                      name="") for p in pids),
                         probes=records)
-        evidence = ebpf.probe_evidence([sample])
+        evidence = probe_evidence([sample])
         print("\n".join(e.what for e in evidence))
         if tid == worker:
             assert any(e.what.startswith(f"Worker main thread (tid {tid}) parked") for e in evidence)

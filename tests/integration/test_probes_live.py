@@ -5,21 +5,25 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 import pytest
 
-from wedgectl.collect import ebpf, procfs
+from wedgectl import probes
+from wedgectl.bundle import to_jsonable
+from wedgectl.collect import ebpf, ebpfhost, procfs
+
+if TYPE_CHECKING:
+    from conftest import Target  # the FIFO target helper and the `spawn` fixture live in conftest.py
 
 pytestmark = pytest.mark.integration
 
@@ -29,10 +33,10 @@ TARGETS = REPO / "tests" / "targets"
 
 def _ebpf_ready() -> str | None:
     if os.geteuid() != 0:
-        return "needs root"
+        return "needs root (loading eBPF programs does)"
     if shutil.which("bpftrace") is None:
-        return "bpftrace is not installed (.ci/run installs it from Debian)"
-    st = {s.name: s for s in ebpf.detect_backends()}
+        return "bpftrace is not installed (as root, tests/setup.sh installs it from Debian)"
+    st = {s.name: s for s in ebpfhost.detect_backends()}
     return None if st["bpftrace"].available else st["bpftrace"].reason
 
 
@@ -40,76 +44,13 @@ NO_EBPF = _ebpf_ready()
 needs_ebpf = pytest.mark.skipif(NO_EBPF is not None, reason=f"eBPF: {NO_EBPF}")
 
 
-@dataclass
-class Target:
-    proc: subprocess.Popen[bytes]
-    fd: int
-    buf: bytes = b""
-    said: list[tuple[str, dict]] = field(default_factory=list)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def expect(self, word: str, timeout: float = 20.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            while b"\n" in self.buf:
-                line, self.buf = self.buf.split(b"\n", 1)
-                w, _, payload = line.decode().partition(" ")
-                self.said.append((w, json.loads(payload or "{}")))
-                if w == word:
-                    return self.said[-1][1]
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"target {self.pid} never said {word!r} (said {self.said})")
-            ready, _, _ = select.select([self.fd], [], [], 0.1)
-            if ready:
-                chunk = os.read(self.fd, 4096)
-                if chunk:
-                    self.buf += chunk
-                    continue
-                time.sleep(0.02)
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"target exited {self.proc.returncode} before {word!r}")
+def _threads(records: tuple) -> dict[int, dict]:
+    """tid -> the thread's record as the bundle and --json carry it (typed records, or JSON already)."""
+    return {r["tid"]: r for r in to_jsonable(records) if r["kind"] == "thread"}
 
 
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Callable[..., Target]]:
-    """spawn(script_path) -> Target, talking through a FIFO; SIGKILLed at teardown."""
-    started: list[Target] = []
-
-    def start(script: Path, *args: str, stdin: int | None = subprocess.DEVNULL) -> Target:
-        fifo = tmp_path / f"t{len(started)}.fifo"
-        os.mkfifo(fifo)
-        fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-        proc = subprocess.Popen([sys.executable, str(script), *args, str(fifo)], stdin=stdin,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=TARGETS,
-                                env={**os.environ, "PYTHONPATH": str(TARGETS)})
-        started.append(Target(proc, fd))
-        return started[-1]
-
-    yield start
-    for t in started:
-        with_kids = [t.proc.pid]
-        try:
-            with_kids += [c.pid for c in psutil.Process(t.proc.pid).children(recursive=True)]
-        except psutil.Error:
-            pass
-        for pid in with_kids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        t.proc.wait(timeout=10)
-        os.close(t.fd)
-
-
-def _threads(records: tuple[dict, ...]) -> dict[int, dict]:
-    return {r["tid"]: r for r in records if r.get("kind") == "thread"}
-
-
-def _header(records: tuple[dict, ...]) -> dict:
-    return next(r for r in records if r.get("kind") == "probe")
+def _header(records: tuple) -> dict:
+    return next(r for r in to_jsonable(records) if r["kind"] == "probe")
 
 
 def _no_probe_children() -> bool:
@@ -118,7 +59,7 @@ def _no_probe_children() -> bool:
         out = []
         for c in psutil.Process().children(recursive=True):
             try:
-                if c.name() == "bpftrace" or "bcc_child" in " ".join(c.cmdline()):
+                if c.name() == "bpftrace" or "wedgectl.collect.ebpfbcc" in " ".join(c.cmdline()):
                     out.append(c)
             except psutil.Error:
                 continue
@@ -237,7 +178,7 @@ def test_pylockwait_lock_pointer_is_the_futex_address(spawn: Callable[..., Targe
     script.write_text(WAKER)
     target = spawn(script, stdin=subprocess.PIPE)
     info = target.expect("ready")
-    run = ebpf.start_probes([target.pid], "on", probes=ebpf.ALL_PROBES, backend="bpftrace", max_s=20)
+    run = ebpf.start_probes([target.pid], "on", probes=probes.ALL_PROBES, backend="bpftrace", max_s=20)
     try:
         assert run.libs, "no libpython or python executable found for the uprobe"
         target.proc.stdin.write(b"go\n")
@@ -283,7 +224,7 @@ def test_fallback_order_on_a_real_deadlock(spawn: Callable[..., Target], monkeyp
     addr = _proc_futex(target.pid, info["a"])
     seen = {}
     for disabled, want in (("", ("bcc", "bpftrace")), ("bcc", ("bpftrace",)), ("bcc,bpftrace", ("procfs",))):
-        monkeypatch.setenv(ebpf.DISABLE_ENV, disabled)
+        monkeypatch.setenv(ebpfhost.DISABLE_ENV, disabled)
         records, _ = ebpf.run_probes([target.pid], 1.0)
         header, t = _header(records), _threads(records)[info["a"]]
         seen[disabled] = header["backend"]
@@ -298,11 +239,11 @@ def test_fallback_order_on_a_real_deadlock(spawn: Callable[..., Target], monkeyp
         if "bcc" in skipped:
             print(f"{disabled or 'nothing'} off -> {header['backend']}; bcc skipped: {skipped['bcc']}")
     # every back-end off: still a /proc reading, said so
-    monkeypatch.setenv(ebpf.DISABLE_ENV, "bcc,bpftrace,procfs")
+    monkeypatch.setenv(ebpfhost.DISABLE_ENV, "bcc,bpftrace,procfs")
     records, _ = ebpf.run_probes([target.pid], 0.5)
     assert "every back-end is disabled" in _header(records)["reason"]
     # "on" with no eBPF back-end: the data, and a failure that says why
-    monkeypatch.setenv(ebpf.DISABLE_ENV, "bcc,bpftrace")
+    monkeypatch.setenv(ebpfhost.DISABLE_ENV, "bcc,bpftrace")
     records, failures = ebpf.run_probes([target.pid], 0.5, mode="on")
     assert any(f.kind.value == "missing_tool" and "--ebpf on" in f.message for f in failures)
     print(f"back-ends chosen: {seen}")

@@ -11,9 +11,12 @@ import psutil
 import pytest
 
 from wedgectl.metrics import parse_metrics
-from wedgectl.repro import ensure_engine_plugin, symptom_reached
+from wedgectl.lifecycle import stop_tree
+from wedgectl.plugin import ensure_engine_plugin
+from wedgectl.render import render_swap
+from wedgectl.repro import symptom_reached
 from wedgectl.runtime import ServerSpec, free_port, start_server, stop_server
-from wedgectl.swap import stop_process_tree, swap_deployment
+from wedgectl.swap import swap_deployment
 
 pytestmark = pytest.mark.integration
 
@@ -62,11 +65,11 @@ def test_swap_replaces_a_wedged_stock_server(vllm_python: Path, tiny_model: Path
         steps: list[str] = []
         result = swap_deployment(server.pid, progress=steps.append, stop_grace_s=5.0, health_timeout_s=300)
         new_pid = result.new_pid
-        print("\n".join(result.lines()))
+        print("\n".join(render_swap(result)))
         assert result.ok, f"{result.message}\n" + "\n".join(steps)
         assert result.url == server.url and new_pid not in old_tree
         assert result.downtime_s is not None and result.stop_s is not None
-        assert not any("tok-do-not-print" in line for line in steps + result.lines())
+        assert not any("tok-do-not-print" in line for line in steps + list(render_swap(result)))
         client.join(timeout=10)
         assert not client.is_alive()  # the old server's end released the wedged client
 
@@ -82,7 +85,7 @@ def test_swap_replaces_a_wedged_stock_server(vllm_python: Path, tiny_model: Path
         assert m.has_heartbeat
     finally:
         if new_pid is not None:
-            stop_process_tree(new_pid, 15.0)
+            stop_tree(new_pid, 15.0)
         stop_server(server, grace=5)
     survivors = [p for p in [*old_tree, *([new_pid] if new_pid else [])] if _alive(p)]
     assert survivors == []

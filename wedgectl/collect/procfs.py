@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +98,7 @@ class StatFields:
     stime_ticks: int
     num_threads: int
     starttime_ticks: int
+    processor: int | None = None  # field 39: the CPU it last ran on
 
 
 def parse_stat(text: str) -> StatFields:
@@ -116,6 +118,7 @@ def parse_stat(text: str) -> StatFields:
         stime_ticks=int(rest[12]),
         num_threads=int(rest[17]),
         starttime_ticks=int(rest[19]),
+        processor=int(rest[36]) if len(rest) > 36 else None,
     )
 
 
@@ -204,21 +207,6 @@ def thread_from_texts(
         voluntary_switches=vol,
         nonvoluntary_switches=nonvol,
     )
-
-
-def group_futex_waiters(threads: Iterable[ThreadSample]) -> dict[int, tuple[int, ...]]:
-    """futex address -> tids parked on it.
-
-    One address is one lock: threads contending for the same threading.Lock
-    share it. threading.Condition (hence Event, Queue, Thread.join's waits on
-    a Condition) parks each waiter on a fresh lock of its own, so waiters of one
-    Condition show *distinct* addresses.
-    """
-    groups: dict[int, list[int]] = {}
-    for t in threads:
-        if t.futex_addr is not None and is_futex_wait_op(t.futex_op):
-            groups.setdefault(t.futex_addr, []).append(t.tid)
-    return {addr: tuple(sorted(tids)) for addr, tids in sorted(groups.items())}
 
 
 # ---------------------------------------------------------------------------
@@ -349,3 +337,145 @@ def read_threads(
             )
         )
     return tuple(threads), tuple(failures)
+
+
+# ---------------------------------------------------------------------------
+# the scheduler's view of a thread, at the edges of a probe window
+#
+# /proc/PID/task/TID/sched's `se.exec_start` is the scheduler-clock time the
+# thread last ran; for a thread asleep in futex(2) that is when its wait began
+# (a thread parked since before a probe attached fires no tracepoint in the
+# window). schedstat gives exact on-CPU and run-queue nanoseconds.
+
+
+def parse_exec_start(text: str) -> float | None:
+    """se.exec_start from a sched file, in seconds (the file prints milliseconds); None without CONFIG_SCHED_DEBUG."""
+    for line in text.splitlines():
+        if line.startswith("se.exec_start"):
+            try:
+                return float(line.split(":", 1)[1]) / 1000.0
+            except (ValueError, IndexError):
+                return None
+    return None
+
+
+def parse_schedstat(text: str) -> tuple[int, int, int] | None:
+    """(ns on CPU, ns waiting on a run queue, timeslices) from a schedstat file."""
+    try:
+        a, b, c = text.split()[:3]
+        return int(a), int(b), int(c)
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class ThreadSched:
+    """One thread at one edge of a probe window: its ThreadSample and the scheduler's view of it."""
+
+    pid: int
+    thread: ThreadSample
+    cpu: int | None  # the CPU it last ran on (stat field 39)
+    exec_start_s: float | None  # se.exec_start: last ran at, on that CPU's scheduler clock
+    oncpu_ns: int | None  # schedstat: time on a CPU
+    runq_ns: int | None  # schedstat: time runnable, waiting for a CPU
+
+    @property
+    def tid(self) -> int:
+        return self.thread.tid
+
+    @property
+    def comm(self) -> str:
+        return self.thread.comm
+
+    @property
+    def futex_addr(self) -> int | None:
+        return self.thread.futex_addr
+
+    @property
+    def in_futex_wait(self) -> bool:
+        return self.thread.in_futex_wait
+
+
+def sched_from_texts(pid: int, thread: ThreadSample, stat: str | None, sched: str | None,
+                     schedstat: str | None) -> ThreadSched:
+    """Build a ThreadSched from a ThreadSample and the texts of stat, sched and schedstat (None: unreadable)."""
+    ss = parse_schedstat(schedstat) if schedstat else None
+    return ThreadSched(
+        pid=pid,
+        thread=thread,
+        cpu=parse_stat(stat).processor if stat else None,
+        exec_start_s=parse_exec_start(sched) if sched else None,
+        oncpu_ns=ss[0] if ss else None,
+        runq_ns=ss[1] if ss else None,
+    )
+
+
+def _read_or_none(path: Path) -> str | None:
+    try:
+        return _read_text(path)
+    except OSError:
+        return None
+
+
+def read_thread_scheds(
+    pids: Iterable[int], proc_root: Path = PROC, timeout: float = 3.0
+) -> tuple[dict[int, ThreadSched], tuple[CollectorFailure, ...]]:
+    """tid -> ThreadSched for every thread of the pids, within ``timeout`` seconds in all.
+
+    A thread that exits between its reads is left out, as read_threads does.
+    """
+    deadline = time.monotonic() + timeout
+    out: dict[int, ThreadSched] = {}
+    failures: list[CollectorFailure] = []
+    for pid in pids:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            failures.append(CollectorFailure(COLLECTOR, FailureKind.TIMEOUT,
+                                             f"read threads for {timeout:.0f} s; the rest skipped", str(pid)))
+            break
+        threads, fails = read_threads(pid, proc_root, timeout=left)
+        failures += fails
+        for t in threads:
+            tdir = proc_root / str(pid) / "task" / str(t.tid)
+            stat = _read_or_none(tdir / "stat")
+            if stat is None:
+                continue  # exited since
+            try:
+                out[t.tid] = sched_from_texts(pid, t, stat, _read_or_none(tdir / "sched"),
+                                              _read_or_none(tdir / "schedstat"))
+            except (ValueError, IndexError) as exc:
+                failures.append(CollectorFailure(COLLECTOR, FailureKind.BAD_DATA, f"{tdir}: {exc}", str(t.tid)))
+    return out, tuple(failures)
+
+
+def sched_clock_offsets(cpus: Iterable[int], proc_root: Path = PROC) -> dict[int, float]:
+    """CLOCK_MONOTONIC minus each CPU's scheduler task clock, in seconds.
+
+    That clock (rq_clock_task) runs behind CLOCK_MONOTONIC by the IRQ and
+    steal time each CPU has accounted. A helper thread pins itself to the CPU,
+    sleeps a moment (the wake-up stamps its exec_start with that CPU's clock,
+    now) and reads its own sched file. CPUs it may not run on get the median.
+    """
+    out: dict[int, float] = {}
+
+    def measure(cpu: int) -> None:
+        try:
+            os.sched_setaffinity(0, {cpu})
+            time.sleep(0.0005)
+            now = time.monotonic()
+            es = parse_exec_start(_read_or_none(proc_root / "thread-self" / "sched") or "")
+        except OSError:
+            return
+        if es is not None:
+            out[cpu] = now - es
+
+    wanted = sorted(set(cpus))
+    for cpu in wanted:
+        t = threading.Thread(target=measure, args=(cpu,), name=f"wedgectl-clock-{cpu}", daemon=True)
+        t.start()
+        t.join(timeout=2.0)
+    if out:
+        median = sorted(out.values())[len(out) // 2]
+        for cpu in wanted:
+            out.setdefault(cpu, median)
+    return out

@@ -1,4 +1,4 @@
-"""The managed vLLM runtime: venv install, tiny-model generator, server launcher."""
+"""The managed vLLM runtime: venv install, tiny-model generator, the server it serves (started by lifecycle)."""
 
 from wedgectl.runtime.install import (
     RuntimeInstallError,
@@ -8,15 +8,8 @@ from wedgectl.runtime.install import (
     runtime_dir,
     runtime_python,
 )
-from wedgectl.runtime.launcher import (
-    Server,
-    ServerSpec,
-    ServerStartError,
-    free_port,
-    running_server,
-    start_server,
-    stop_server,
-)
+from wedgectl.lifecycle import Server, ServerStartError, free_port, stop_server
+from wedgectl.runtime.launcher import ServerSpec, running_server, start_server
 from wedgectl.runtime.tinymodel import ModelBuildError, ensure_tiny_model
 
 __all__ = [

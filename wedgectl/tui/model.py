@@ -8,7 +8,6 @@ the app whole, so the UI thread only lays it out.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -229,7 +228,7 @@ def process_rows(window: Sequence[ScrapedSample]) -> tuple[tuple[ProcessRow, ...
 
 def thread_rows(p: ProcessSample, before: ProcessSample | None, t: float, prev_t: float | None) -> tuple[ThreadRow, ...]:
     """One row per thread; threads that wait on the same futex address share a lock or condition."""
-    shared = Counter(th.futex_addr for th in p.threads if th.futex_addr is not None)
+    waiters = p.futex_waiters
     prev = {th.tid: th for th in before.threads} if before else {}
     rows = []
     for th in p.threads:
@@ -241,7 +240,7 @@ def thread_rows(p: ProcessSample, before: ProcessSample | None, t: float, prev_t
             syscall = SYSCALL_NAMES.get(th.syscall_nr, f"nr {th.syscall_nr}")
         futex = f"{th.futex_addr:#x}" if th.futex_addr is not None else ""
         rows.append(ThreadRow(th.tid, th.comm, th.state, cpu, th.wchan or "-", syscall, futex,
-                              shared[th.futex_addr] if th.futex_addr is not None else 0))
+                              waiters.sharing(th.futex_addr)))
     return tuple(rows)
 
 

@@ -18,6 +18,7 @@ FAULT_ENV = "WEDGE_ENGINE_FAULT"
 FAULTS: dict[str, str] = {
     "admission-overhang": "wedge_engine.faults.overhang",
     "model-stall": "wedge_engine.faults.stall",
+    "runaway-hold": "wedge_engine.faults.runaway",
 }
 
 

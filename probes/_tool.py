@@ -1,0 +1,90 @@
+"""The command line every probe tool shares: its arguments, --ebpf, a run through the collector, the exit status."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from wedgectl.probes import EXIT_FAILED, EXIT_GONE, EXIT_NO_BACKEND, EXIT_OK, EXIT_PERMISSION, EXIT_USAGE
+
+MAX_WINDOW_S = 300.0
+PLACEHOLDER_LIB = "/path/to/libpython3.X.so"  # --ebpf without a python target still shows the uprobe
+
+
+def parser(prog: str, summary: str, epilog: str) -> argparse.ArgumentParser:
+    """-p/--pid, -d/--duration, --backend, --max-entries, --no-children, --json, and the hidden --ebpf."""
+    p = argparse.ArgumentParser(prog=prog, description=summary, epilog=epilog,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-p", "--pid", required=True,
+                   help="pid(s) to trace, comma-separated; each one's descendants are traced too")
+    p.add_argument("-d", "--duration", type=float, default=5.0, help="seconds to trace (default 5, at most 300)")
+    p.add_argument("--backend", choices=("auto", "bcc", "bpftrace", "procfs"), default="auto",
+                   help="force a back-end (default: the best this host supports)")
+    p.add_argument("--max-entries", type=int, default=4096, help="entries per BPF map (default 4096)")
+    p.add_argument("--no-children", action="store_true", help="trace the given pids only, not their descendants")
+    p.add_argument("--json", action="store_true", help="print JSON lines: a header, then one object per thread")
+    p.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None, probes: Sequence[str], *, prog: str, summary: str, epilog: str) -> int:
+    """Parse the arguments, print the program (--ebpf) or run the probes and print their results."""
+    args = parser(prog, summary, epilog).parse_args(argv)
+    try:
+        pids = [int(p) for p in str(args.pid).split(",") if p.strip()]
+    except ValueError:
+        print(f"bad pid list: {args.pid!r}", file=sys.stderr)
+        return EXIT_USAGE
+    if not pids or args.duration <= 0 or args.duration > MAX_WINDOW_S:
+        print(f"need pids and 0 < duration <= {MAX_WINDOW_S:.0f}", file=sys.stderr)
+        return EXIT_USAGE
+    from wedgectl.collect import ebpf, ebpfhost  # here, not at import: the collector loads the probes' text
+
+    if args.ebpf:  # no root needed: text only, nothing attached
+        print(program_text(probes, pids, args), end="")
+        return EXIT_OK
+    if not args.no_children:
+        pids = ebpf.expand_tree(pids)
+    if not ebpf.pids_exist(pids):
+        print(f"no such process: {pids}", file=sys.stderr)
+        return EXIT_GONE
+    if args.backend in ebpfhost.EBPF_BACKENDS:
+        status = ebpfhost.forced_backend_status(args.backend, probes)
+        if not status.available:
+            print(f"{args.backend} cannot run here: {status.reason}", file=sys.stderr)
+            return EXIT_PERMISSION if "root" in status.reason else EXIT_NO_BACKEND
+    records, failures = ebpf.run_probes(pids, args.duration, probes=probes, backend=args.backend,
+                                        max_entries=args.max_entries)
+    print_records(records, as_json=args.json)
+    for f in failures:
+        print(f"{f.kind.value}: {f.message}", file=sys.stderr)
+    header = records[0] if records else None
+    if header is None or (args.backend in ebpfhost.EBPF_BACKENDS and header.backend != args.backend):
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def program_text(probes: Sequence[str], pids: Sequence[int], args: argparse.Namespace) -> str:
+    """What --ebpf prints: the C text for --backend bcc, else the bpftrace program."""
+    from wedgectl.collect import ebpf
+
+    if args.backend == "bcc":
+        return ebpf.bcc_program(probes, pids, args.max_entries) + "\n"
+    libs: list[str] = []
+    if "pylockwait" in probes:
+        libs = ebpf.python_libraries(pids) or [PLACEHOLDER_LIB]
+    return ebpf.bpftrace_program(probes, pids, args.duration, (), libs)
+
+
+def print_records(records: Sequence[object], as_json: bool) -> None:
+    from wedgectl.bundle import to_jsonable
+    from wedgectl.render import render_threads
+
+    if as_json:
+        for r in records:
+            print(json.dumps(to_jsonable(r)))
+        return
+    for line in render_threads(records):
+        print(line)

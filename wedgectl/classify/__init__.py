@@ -1,0 +1,79 @@
+"""The classifier: a pure function from an evidence bundle to a verdict with its reasons.
+
+`classify(bundle)` derives the `Facts` once (parsed log, metric series, process CPU rates,
+stacks; facts.py) and tries the rules in order. Each rule (rule.py) is a named predicate
+over the facts whose docstring says which hang it recognises and which vLLM behaviour it
+relies on, paired with the builder of its verdict: evidence (evidence.py), advice, and a
+confidence named in confidence.py. The first that holds gives the verdict. Live evidence
+(processes, stacks, metric deltas; live.py) is stronger than a log (log.py), so live rules
+come first.
+"""
+
+from __future__ import annotations
+
+from wedgectl.classify import confidence as C
+from wedgectl.classify.evidence import engine_cpu_evidence, engine_stack_evidence, metrics_evidence, present
+from wedgectl.classify.facts import MIN_FROZEN_S, Facts, Series, slope_per_s, unix_to_logtime
+from wedgectl.classify.live import LIVE_RULES
+from wedgectl.classify.log import LOG_RULES
+from wedgectl.classify.rule import Rule
+from wedgectl.types import Bundle, Evidence, Verdict, VerdictKind
+
+
+def classify(bundle: Bundle) -> Verdict:
+    """The verdict for a bundle: the first live rule that holds, else the first log rule."""
+    facts = Facts(bundle)
+    if facts.is_live:
+        for rule in LIVE_RULES:
+            verdict = rule(facts)
+            if verdict is not None:
+                return _with_caveats(facts, verdict)
+    if facts.log is not None:
+        for rule in LOG_RULES:
+            verdict = rule(facts)
+            if verdict is not None:
+                return _with_caveats(facts, verdict)
+    return _inconclusive(facts)
+
+
+def _with_caveats(f: Facts, verdict: Verdict) -> Verdict:
+    """Say what the evidence lacked, so a reader knows how far to trust it."""
+    notes = []
+    if f.exited:
+        notes.append("the deployment exited during the capture; the evidence ends there")
+    if f.is_live and not f.saw_processes and not verdict.verdict.is_healthy:
+        notes.append("metrics-only evidence (no process access)")
+    if f.is_live and f.saw_processes and not f.stacks:
+        notes.append("no Python stacks (py-spy failed or was not run)")
+    if not notes:
+        return verdict
+    return Verdict(
+        verdict.verdict, verdict.confidence, verdict.summary, verdict.rule,
+        verdict.evidence + tuple(Evidence("wedgectl", n) for n in notes), verdict.advice, verdict.facts,
+    )
+
+
+def _inconclusive(f: Facts) -> Verdict:
+    ev: list[Evidence] = []
+    advice = []
+    if f.is_live:
+        if not f.scrapes:
+            ev.append(Evidence("metrics", f"no /metrics scrape parsed ({f.failed_scrapes} failed)"))
+            advice.append("Check the metrics URL (--url) and that the API server is up.")
+        elif f.window_s < MIN_FROZEN_S:
+            advice.append("Sample longer (--window 10) so counter deltas mean something.")
+        if f.scrapes:
+            ev.append(metrics_evidence(f, f"{f.running:.0f} running, {f.waiting:.0f} waiting"))
+        ev += present(engine_cpu_evidence(f), engine_stack_evidence(f))
+    if f.log is not None:
+        ev.append(Evidence("log", f"{f.log.n_lines} lines, {len(f.stats)} stats lines, {len(f.log.access)} access lines"))
+        if not f.stats:
+            ev.append(Evidence("log", "no stats lines: vLLM logs them only while tokens flow, so idle and stuck look alike"))
+        advice.append("Capture the live process: `wedgectl diagnose --pid PID --save-bundle hang.tar.gz`.")
+    if not advice:
+        advice.append("Capture more: `wedgectl diagnose --pid PID --window 15`.")
+    return Verdict(VerdictKind.INCONCLUSIVE, C.INCONCLUSIVE, "The evidence does not decide between the hang classes.",
+                   "inconclusive", tuple(ev), tuple(advice))
+
+
+__all__ = ["Facts", "Rule", "Series", "classify", "LIVE_RULES", "LOG_RULES", "slope_per_s", "unix_to_logtime"]

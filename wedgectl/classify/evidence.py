@@ -1,0 +1,190 @@
+"""Evidence lines the rules cite: built from the facts, shared by the live and log rules."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+
+from wedgectl import stacks as stk
+from wedgectl.classify.facts import PARKED_CORES, SPINNING_CORES, Facts
+from wedgectl.logparse import FailureLine, StatsLine, format_stamp
+from wedgectl.types import Evidence, ProcessSample, Role
+
+
+def iso(t: float) -> str:
+    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def fmt_duration(s: float) -> str:
+    s = max(0.0, s)
+    if s < 90:
+        return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
+    if s < 5400:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
+
+
+def log_stamp(t: float | None) -> str | None:
+    return format_stamp(t) if t is not None else None
+
+
+_LOG_HEADER = re.compile(
+    r"^\s*(?:\([\w:.-]+ pid=\d+\)\s*)?(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL):?\s+)?"
+    r"(?:\d{2}-\d{2} \d{2}:\d{2}:\d{2}\s+)?(?:\[[\w./-]+:\d+\]\s*)?"
+)
+
+
+def message(text: str) -> str:
+    """A log line without its '(APIServer pid=N) INFO 12-01 08:24:14 [file.py:N]' header."""
+    return _LOG_HEADER.sub("", text, count=1).strip()
+
+
+def present(*items: Evidence | None) -> tuple[Evidence, ...]:
+    return tuple(e for e in items if e is not None)
+
+
+def failure_evidence(f: FailureLine) -> Evidence:
+    """One engine-failure line of the log, quoted without its header."""
+    return Evidence("log", message(f.text)[:160], t=log_stamp(f.t), values={"line": f.lineno})
+
+
+def stats_evidence(s: StatsLine, what: str) -> Evidence:
+    return Evidence(
+        source="log",
+        what=what,
+        t=s.stamp,
+        values={
+            "line": s.lineno,
+            "running": s.running,
+            "waiting": s.waiting,
+            "gen_tokens_per_s": s.gen_tps,
+            "prompt_tokens_per_s": s.prompt_tps,
+            "kv_usage_pct": s.kv_usage_pct,
+        },
+    )
+
+
+def metrics_evidence(f: Facts, what: str) -> Evidence:
+    m = f.last_metrics
+    values: dict[str, object] = {}
+    if m is not None:
+        for key, val in (
+            ("running", m.running),
+            ("waiting", m.waiting),
+            ("waiting_capacity", m.waiting_capacity),
+            ("kv_usage_pct", None if m.kv_usage is None else round(m.kv_usage * 100, 1)),
+            ("generation_tokens_total", m.generation_tokens),
+        ):
+            if val is not None:
+                values[key] = val
+    t = iso(f.scrapes[-1][0]) if f.scrapes else None
+    return Evidence(source="metrics", what=what, t=t, values=values)
+
+
+def counter_evidence(f: Facts) -> Evidence:
+    g = f.gen_tokens
+    return Evidence(
+        source="metrics",
+        what=(
+            f"vllm:generation_tokens_total frozen at {g.last:.0f} for {g.frozen_s:.1f} s"
+            if g.delta == 0
+            else f"vllm:generation_tokens_total rose by {g.delta:.0f} in {g.span_s:.1f} s"
+        ),
+        t=iso(g.points[-1][0]) if g.points else None,
+        values={
+            "first": g.first,
+            "last": g.last,
+            "span_s": round(g.span_s, 2),
+            "tokens_per_s": None if g.rate is None else round(g.rate, 1),
+        },
+    )
+
+
+def engine_cpu_evidence(f: Facts) -> Evidence | None:
+    cores = f.engine_cores
+    if cores is None:
+        return None
+    p = f.engine_core
+    core, workers = f.engine_core_cores, f.worker_cores
+    state = "spinning" if cores >= SPINNING_CORES else "parked" if cores <= PARKED_CORES else "busy"
+    split = f"EngineCore {core or 0:.2f}" + (f" + Workers {workers:.2f}" if workers is not None else "")
+    return Evidence(
+        source="proc",
+        what=f"engine used {cores:.2f} cores over the window ({split}): {state}",
+        values={"pid": p.pid if p else None, "cores": round(cores, 3), "engine_core_cores": None if core is None else round(core, 3),
+                "worker_cores": None if workers is None else round(workers, 3), "state": p.state if p else None},
+    )
+
+
+def engine_stack_evidence(f: Facts) -> Evidence | None:
+    dump = f.stack_of_role(Role.ENGINE_CORE)
+    if dump is None:
+        return None
+    main = stk.engine_main_thread(dump)
+    if main is None:
+        return None
+    where = stk.classify_engine_thread(main)
+    frames = stk.frame_names(main)
+    return Evidence(
+        source="stack",
+        what=f"EngineCore main thread: {where} (innermost: {frames[0] if frames else '?'})",
+        values={"pid": dump.pid, "where": where, "frames": frames[:8]},
+    )
+
+
+def profile_evidence(f: Facts) -> list[Evidence]:
+    """Where the EngineCore and each Worker spent the end-of-window burst of stack dumps."""
+    out = []
+    for p in f.last_processes:
+        if p.role not in (Role.ENGINE_CORE, Role.WORKER):
+            continue
+        dumps = f.stack_burst(p.pid)
+        if len(dumps) < 2:
+            continue
+        where = stk.classify_worker_thread if p.role == Role.WORKER else stk.classify_engine_thread
+        prof = stk.profile(dumps, where)
+        name = "Worker" if p.role == Role.WORKER else "EngineCore"
+        parts = ", ".join(f"{n} {k}" for k, n in sorted(prof.items(), key=lambda kv: -kv[1]))
+        out.append(Evidence("stack", f"{name} pid {p.pid}, {len(dumps)} stack samples: {parts}",
+                            values={"pid": p.pid, "role": p.role.value, "samples": len(dumps), "profile": prof}))
+    return out
+
+
+def heartbeat_evidence(f: Facts) -> Evidence | None:
+    m = f.last_metrics
+    if m is None or not m.has_heartbeat:
+        return None
+    return Evidence(
+        source="metrics",
+        what=(
+            f"engine heartbeat: {f.heartbeat_steps.delta or 0:.0f} steps, "
+            f"{f.heartbeat_model_steps.delta or 0:.0f} model steps in the window; "
+            f"last model step {m.heartbeat_model_step_age or 0:.1f} s ago"
+        ),
+        values={
+            "steps_total": m.heartbeat_steps,
+            "model_steps_total": m.heartbeat_model_steps,
+            "last_step_age_s": m.heartbeat_step_age,
+            "last_model_step_age_s": m.heartbeat_model_step_age,
+        },
+    )
+
+
+def futex_evidence(p: ProcessSample, most: int = 3) -> Evidence | None:
+    """How many of a process's threads sit in futex waits, and the `most` crowded addresses."""
+    waiters = p.futex_waiters
+    if not waiters.groups:
+        return None
+    return Evidence(
+        "proc",
+        f"{waiters.n_waiting} of {waiters.n_threads} threads of pid {p.pid} parked in futex waits "
+        f"on {len(waiters.groups)} address(es)",
+        values={"pid": p.pid, "futex_waits": {hex(g.addr): list(g.tids) for g in waiters.groups[:most]}},
+    )
+
+
+STARVED_ADVICE = (
+    "A long request holds most of the KV pool; the queue drains only when it finishes or is preempted. "
+    "Find it (vllm:request_params_max_tokens, your access log) and cap max_tokens per request.",
+    "Limit concurrency per KV (--max-num-seqs, --max-model-len) or add KV capacity.",
+)

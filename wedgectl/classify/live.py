@@ -1,0 +1,313 @@
+"""The live rules: predicates over a captured window (processes, stacks, metric deltas), with their verdicts."""
+
+from __future__ import annotations
+
+from wedgectl import stacks as stk
+from wedgectl.classify import confidence as C
+from wedgectl.classify.evidence import (
+    STARVED_ADVICE,
+    counter_evidence,
+    engine_cpu_evidence,
+    engine_stack_evidence,
+    failure_evidence,
+    fmt_duration,
+    futex_evidence,
+    heartbeat_evidence,
+    log_stamp,
+    message,
+    metrics_evidence,
+    present,
+    profile_evidence,
+)
+from wedgectl.classify.facts import CERTAIN_FROZEN_S, Facts, slope_per_s
+from wedgectl.classify.rule import Rule
+from wedgectl.types import Evidence, Verdict, VerdictKind
+
+_METRICS_ONLY_ADVICE = "Metrics only: run `wedgectl diagnose --pid PID` to {}."
+
+# ------------------------------------------------------------------ engine dead
+
+
+def live_engine_dead(f: Facts) -> bool:
+    """The engine is gone: EngineDeadError in the log, /health 503, or no EngineCore beside a
+    listening API server. vLLM turns /health to 503 only after EngineDeadError; the API server
+    stays up and fails every request."""
+    api = f.api_server
+    if not f.is_live or api is None:
+        return False
+    return f.last_health == 503 or (f.engine_core is None and bool(api.listening) and bool(f.failures_of("engine_dead")))
+
+
+def _engine_dead_verdict(f: Facts) -> Verdict:
+    api, engine = f.api_server, f.engine_core
+    assert api is not None
+    ev = [Evidence("proc", f"API server pid {api.pid} alive, listening on {', '.join(api.listening) or 'nothing'}; "
+                   f"{'no EngineCore process' if engine is None else 'EngineCore pid %d' % engine.pid}")]
+    if f.last_health == 503:
+        ev.append(Evidence("metrics", "GET /health answered 503"))
+    ev += [failure_evidence(line) for line in f.failures_of("engine_dead")[:2]]
+    return Verdict(
+        VerdictKind.ENGINE_DEAD, C.ENGINE_DEAD_LIVE, "The engine process died; the API server answers but every request fails.",
+        "live_engine_dead", tuple(ev),
+        ("Read the first traceback in the EngineCore log: it names the cause.", "Restart the server; a supervisor should treat /health 503 as fatal."),
+    )
+
+
+# ---------------------------------------------------------------- shutdown hang
+
+
+def live_shutdown_hang(f: Facts) -> bool:
+    """Shutdown began and the API server never exits: the listener is closed (no LISTEN socket,
+    /metrics refused) while the process lives. Measured on vLLM 0.32: SIGTERM kills the EngineCore
+    and Worker at once, then uvicorn waits for open client connections forever ("Waiting for
+    connections to close"); a second SIGTERM does nothing. An API server that exited during the
+    capture finished its shutdown; one whose sockets were unreadable (no CAP_SYS_PTRACE) leaves
+    "no listener" unknown."""
+    api = f.api_server
+    if not f.is_live or api is None or api.listening or f.exited or api.connections is None:
+        return False
+    return (f.shutdown_began is not None or bool(f.api_shutdown_frames)) and f.api_never_listened
+
+
+def _shutdown_hang_verdict(f: Facts) -> Verdict:
+    api, began, frames = f.api_server, f.shutdown_began, f.api_shutdown_frames
+    assert api is not None
+    ev = [
+        Evidence(
+            "proc",
+            f"API server pid {api.pid} alive ({api.state}, {api.num_threads} threads) with no listening socket",
+            values={"pid": api.pid, "state": api.state, "threads": api.num_threads, "connections": api.connections},
+        )
+    ]
+    facts: dict[str, object] = {}
+    if api.connections:
+        ev.append(Evidence("proc", f"{api.connections} client connection(s) still open: uvicorn waits for them to close",
+                           values={"connections": api.connections}))
+    if f.engine_core is None:
+        ev.append(Evidence("proc", "EngineCore and Worker already exited"))
+    ev += present(futex_evidence(api))
+    if began is not None:
+        ago = None
+        if began.t is not None and f.now_logtime is not None and f.now_logtime >= began.t:
+            ago = f.now_logtime - began.t
+            facts["shutdown_age_s"] = round(ago, 1)
+        ev.append(Evidence("log", f"shutdown began: {message(began.text)[:120]}" + (f" ({fmt_duration(ago)} ago)" if ago is not None else ""),
+                           t=log_stamp(began.t), values={"line": began.lineno, "kind": began.kind}))
+        if f.waiting_connections_line is not None:
+            ev.append(Evidence("log", "uvicorn: Waiting for connections to close", values={"line": f.waiting_connections_line.lineno}))
+    if frames:
+        ev.append(Evidence("stack", f"API server stack in shutdown: {frames[0]}", values={"frames": list(frames[:6])}))
+    ev += f.probe_evidence
+    corroborated = began is not None and (api.connections or frames)
+    return Verdict(
+        VerdictKind.SHUTDOWN_HANG, C.SHUTDOWN_CORROBORATED if corroborated else C.SHUTDOWN_NO_LISTENER,
+        "Shutdown began but the API server never exits: listener closed, process alive"
+        + (f", {api.connections} client connection(s) held open." if api.connections else "."),
+        "live_shutdown_hang", tuple(ev),
+        (
+            "Only SIGKILL clears it now: kill -9 %d (the supervisor should escalate after a bound)." % api.pid,
+            "Prevent it: run the patched engine (bounded shutdown) or give clients a timeout.",
+        ),
+        facts,
+    )
+
+
+# ------------------------------------------------------------- admission wedge
+
+
+def live_admission_wedge(f: Facts) -> bool:
+    """Work is waiting that the scheduler never admits, and nothing executes: waiting >= 1, running
+    0 (a self-preempted request sits in waiting too), token counters frozen, and the EngineCore
+    spinning (vLLM's busy loop calls schedule() ~1000 times/s, each refusing the request: the
+    waiting loop's allocate_slots() returns None and breaks). KV usage ~0 shows it is not pressure
+    from other requests: the request cannot fit even in an empty pool. A blocked engine with
+    stale gauges (parked, no heartbeat) is left to the deadlock rule."""
+    if f.waiting < 1 or f.running > 0 or not f.tokens_frozen:
+        return False
+    return not (f.engine_parked and not f.heartbeat_spinning)
+
+
+def _admission_wedge_verdict(f: Facts) -> Verdict:
+    m, g = f.last_metrics, f.gen_tokens
+    assert m is not None
+    spinning = f.engine_spinning or f.heartbeat_spinning
+    if not spinning:
+        confidence = C.WEDGE_METRICS_ONLY
+    elif f.heartbeat_spinning or g.frozen_s >= CERTAIN_FROZEN_S:
+        confidence = C.WEDGE_CERTAIN
+    else:
+        confidence = C.WEDGE_SPINNING
+    ev = [
+        metrics_evidence(f, f"{f.waiting:.0f} waiting"
+                         + (f" ({m.waiting_capacity:.0f} for capacity)" if m.waiting_capacity else "")
+                         + f", 0 running, KV cache {((m.kv_usage or 0) * 100):.1f}% used"),
+        counter_evidence(f),
+    ]
+    ev += present(engine_cpu_evidence(f), heartbeat_evidence(f))
+    ev += profile_evidence(f) or list(present(engine_stack_evidence(f)))
+    ev += f.probe_evidence
+    advice = [
+        "The request needs more KV blocks than the pool can ever free: it will wait forever. "
+        "Abort it (or restart), then size the pool: raise --gpu-memory-utilization / "
+        "--num-gpu-blocks-override, or lower --max-model-len below the servable context.",
+        "Run the patched engine: it fails such requests at once with the blocks needed and available.",
+    ]
+    if not f.saw_processes:
+        advice.append(_METRICS_ONLY_ADVICE.format("confirm the EngineCore is spinning"))
+    return Verdict(
+        VerdictKind.ADMISSION_WEDGE, confidence,
+        f"{f.waiting:.0f} request(s) waiting that the scheduler never admits; nothing runs, "
+        f"tokens frozen {fmt_duration(g.frozen_s)}" + (", engine spinning." if spinning else "."),
+        "live_admission_wedge", tuple(ev), tuple(advice),
+        {"frozen_s": round(g.frozen_s, 2), "engine_cores": f.engine_cores, "waiting": f.waiting,
+         "worker_model_share": f.worker_model_share, "kv_usage_pct": round((m.kv_usage or 0) * 100, 2),
+         "waiting_capacity": m.waiting_capacity},
+    )
+
+
+# -------------------------------------------------------------- engine deadlock
+
+
+def live_engine_deadlock(f: Facts) -> bool:
+    """The engine stopped stepping with work in flight while the API process answers /metrics:
+    running >= 1 (or waiting) and every counter frozen, the EngineCore parked (no CPU; main
+    thread in execute_model / collective_rpc / a shared-memory dequeue / a device sync). In a
+    blocked vLLM engine nothing is published, so every gauge holds its last value. A spinning
+    engine is stepping (unless its heartbeat froze or its stack sits in the model): not a
+    deadlock; with only waiting requests the engine must be seen asleep."""
+    if f.running + f.waiting < 1 or not f.tokens_frozen:
+        return False
+    asleep = f.engine_parked or f.heartbeat_frozen
+    if f.running < 1 and not asleep:
+        return False
+    return not (f.engine_spinning and not f.heartbeat_frozen and f.engine_where != stk.IN_MODEL)
+
+
+def _deadlock_confidence(f: Facts) -> float:
+    if f.engine_parked or f.heartbeat_frozen:
+        share = f.worker_model_share
+        certain = (f.gen_tokens.frozen_s >= CERTAIN_FROZEN_S
+                   or (share is not None and share >= C.DEADLOCK_WORKER_SHARE)  # every Worker inside execute_model
+                   or f.main_thread_parked)  # a main thread parked the whole window on one futex, never woken
+        return C.DEADLOCK_CERTAIN if certain else C.DEADLOCK_PARKED
+    if f.engine_where == stk.IN_MODEL:
+        return C.DEADLOCK_IN_MODEL
+    return C.DEADLOCK_METRICS_ONLY if f.running >= 1 else C.DEADLOCK_WAITING_ONLY
+
+
+def _engine_deadlock_verdict(f: Facts) -> Verdict:
+    running, waiting, g = f.running, f.waiting, f.gen_tokens
+    ev = [metrics_evidence(f, f"{running:.0f} running, {waiting:.0f} waiting, all gauges frozen"), counter_evidence(f)]
+    ev += present(engine_cpu_evidence(f), heartbeat_evidence(f), engine_stack_evidence(f))
+    ev += profile_evidence(f)
+    ev += f.probe_evidence
+    if f.engine_core is not None:
+        ev += present(futex_evidence(f.engine_core))
+    for w in f.workers:
+        dump = f.stacks.get(w.pid)
+        inner = stk.innermost_interesting(dump) if dump else None
+        if inner:
+            ev.append(Evidence("stack", f"Worker pid {w.pid} stuck in {inner}", values={"pid": w.pid}))
+    api = f.api_server
+    if api is not None and api.listening:
+        ev.append(Evidence("proc", f"API server pid {api.pid} still listening on {', '.join(api.listening)} and answering /metrics"))
+    advice: tuple[str, ...] = (
+        "Capture native stacks of the EngineCore and Workers (`wedgectl diagnose --pid PID --native`): "
+        "the innermost frame names the kernel, collective or lock it waits on.",
+        "Restart the server; /health stays 200, so point liveness probes at the patched engine's heartbeat.",
+    )
+    if not f.saw_processes:
+        advice += (_METRICS_ONLY_ADVICE.format("see where the engine is parked"),)
+    return Verdict(
+        VerdictKind.ENGINE_DEADLOCK, _deadlock_confidence(f),
+        f"The engine stopped with {running:.0f} running / {waiting:.0f} waiting; counters frozen "
+        f"{fmt_duration(g.frozen_s)}" + (", EngineCore parked." if f.engine_parked else "."),
+        "live_engine_deadlock", tuple(ev), advice,
+        {"frozen_s": round(g.frozen_s, 2), "engine_cores": f.engine_cores, "running": running, "waiting": waiting,
+         "worker_model_share": f.worker_model_share},
+    )
+
+
+# ---------------------------------------------------------------------- starved
+
+
+def live_starved(f: Facts) -> bool:
+    """Live but the queue does not drain: tokens advance while requests wait for capacity and none
+    is admitted (prompt tokens flat, waiting not falling). The seed-000 shape: one runaway request
+    holding most of the KV pool; vLLM admits nothing until blocks free up. Prompt tokens that rose
+    in the window mean something was admitted: a busy queue, not a starved one."""
+    if f.waiting < 1 or not f.tokens_advance:
+        return False
+    w = f.waiting_series
+    draining = w.first is not None and w.last is not None and w.last < w.first
+    return not draining and not (f.prompt_tokens.delta or 0) > 0
+
+
+def _starved_verdict(f: Facts) -> Verdict:
+    running, waiting, g = f.running, f.waiting, f.gen_tokens
+    kv_rate = slope_per_s(f.kv.points)
+    facts: dict[str, object] = {"tokens_per_s": round(g.rate or 0, 2), "waiting": waiting, "running": running}
+    kv_last = f.kv.last
+    ev = [
+        metrics_evidence(f, f"{waiting:.0f} waiting behind {running:.0f} running; nothing admitted in the window"),
+        counter_evidence(f),
+    ]
+    if kv_last is not None:
+        facts["kv_usage_pct"] = round(kv_last * 100, 1)
+    if kv_rate is not None and kv_last is not None:
+        per_min = kv_rate * 100 * 60
+        facts["kv_growth_pct_per_min"] = round(per_min, 2)
+        if kv_rate > 0:
+            facts["seconds_to_kv_full"] = round((1 - kv_last) / kv_rate, 1)
+        ev.append(Evidence("metrics", f"KV cache {kv_last * 100:.1f}% used, growing {per_min:.2f} %/min"
+                           + (f"; full in ~{fmt_duration(facts['seconds_to_kv_full'])}" if kv_rate > 0 else ""),
+                           values={"kv_usage_pct": round(kv_last * 100, 1), "pct_per_min": round(per_min, 2)}))
+    ev += present(engine_cpu_evidence(f))
+    return Verdict(
+        VerdictKind.STARVED, C.STARVED_LIVE,
+        f"Not a hang: tokens advance at {g.rate or 0:.1f}/s but {waiting:.0f} request(s) wait for KV capacity behind {running:.0f} running.",
+        "live_starved", tuple(ev), STARVED_ADVICE, facts,
+    )
+
+
+# ------------------------------------------------------------------ progressing, idle
+
+
+def live_progressing(f: Facts) -> bool:
+    """Tokens advance between scrapes: the engine is live and serving. vLLM counts a generated
+    token only once a step produced it, so a rising vllm:generation_tokens_total is a stepping engine."""
+    return f.tokens_advance
+
+
+def _progressing_verdict(f: Facts) -> Verdict:
+    g = f.gen_tokens
+    return Verdict(
+        VerdictKind.PROGRESSING, C.PROGRESSING_LIVE,
+        f"Serving: {g.rate or 0:.1f} tokens/s, {f.running:.0f} running, {f.waiting:.0f} waiting.",
+        "live_progressing", present(counter_evidence(f), metrics_evidence(f, "gauges at the last scrape"), engine_cpu_evidence(f)),
+        (), {"tokens_per_s": round(g.rate or 0, 2)},
+    )
+
+
+def live_idle(f: Facts) -> bool:
+    """Nothing in flight and nothing waiting over two scrapes or more; the engine is not stuck, just unused."""
+    return len(f.scrapes) >= 2 and not f.running and not f.waiting
+
+
+def _idle_verdict(f: Facts) -> Verdict:
+    return Verdict(
+        VerdictKind.IDLE, C.IDLE_ENGINE_BUSY if f.engine_spinning else C.IDLE_LIVE,
+        "Idle: no request running or waiting.",
+        "live_idle", present(metrics_evidence(f, "0 running, 0 waiting"), engine_cpu_evidence(f)),
+    )
+
+
+LIVE_RULES: tuple[Rule, ...] = (
+    Rule(live_engine_dead, _engine_dead_verdict),
+    Rule(live_shutdown_hang, _shutdown_hang_verdict),
+    Rule(live_admission_wedge, _admission_wedge_verdict),
+    Rule(live_engine_deadlock, _engine_deadlock_verdict),
+    Rule(live_starved, _starved_verdict),
+    Rule(live_progressing, _progressing_verdict),
+    Rule(live_idle, _idle_verdict),
+)

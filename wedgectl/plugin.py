@@ -1,0 +1,153 @@
+"""The wedge_engine plugin as wedgectl carries it: its source, its install into a server's python, and "fixes on".
+
+The plugin is its own distribution (`wedgectl-engine`, import name
+`wedge_engine`), installed into the *server's* environment, never into
+wedgectl's. wedgectl's wheel carries its source as the package
+`wedgectl._engine` (top-level `engine/` in a checkout), so `repro`, `patched`
+and `swap` can build and install it from a wheel install as from a clone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+import tomllib
+from collections.abc import Callable, Iterator
+from importlib import resources
+from importlib.resources.abc import Traversable
+from pathlib import Path
+
+from wedgectl import exitcodes
+from wedgectl.errors import WedgectlError
+
+DISTRIBUTION = "wedgectl-engine"
+SOURCE_PACKAGE = "wedgectl._engine"
+
+# "The fixes on": what turns every wedge_engine fix on in a server. swap adds
+# only this (a deployment's own per-fix settings stay); repro --patched adds
+# patched_env()'s bounds as well.
+FIXES_ENV = {"WEDGE_ENGINE_FIXES": "all"}
+# Variables that make the plugin do something: the fixes, and a repro's injected fault.
+ACTIVE_ENV = ("WEDGE_ENGINE_FIXES", "WEDGE_ENGINE_FAULT")
+
+# Bounds a patched repro server runs with. The watchdog limit is small so a repro
+# ends quickly, and larger than any healthy gap between model steps here.
+WATCHDOG_S = 8.0
+SHUTDOWN_S = 10.0
+
+PIP_TIMEOUT_S = 300
+PROBE_TIMEOUT_S = 60
+# Copied from the source into the build folder; what pip leaves behind is not.
+_SOURCE_SUFFIXES = (".py", ".toml", ".md")
+_SKIP_NAMES = ("build", "__pycache__")
+
+
+class PluginInstallError(WedgectlError):
+    exit_code = exitcodes.REPRO_FAILED
+
+
+def patched_env(watchdog_s: float = WATCHDOG_S, shutdown_s: float = SHUTDOWN_S) -> dict[str, str]:
+    """The fixes on, with the watchdog and shutdown bounds a patched repro checks against."""
+    return {
+        **FIXES_ENV,
+        "WEDGE_ENGINE_WATCHDOG_S": f"{watchdog_s:g}",
+        "WEDGE_ENGINE_SHUTDOWN_S": f"{shutdown_s:g}",
+    }
+
+
+# ------------------------------------------------------------------ the packaged source
+
+
+def engine_source() -> Traversable:
+    """The plugin's source tree (pyproject.toml, wedge_engine/) as this wedgectl carries it."""
+    return resources.files(SOURCE_PACKAGE)
+
+
+def _source_files(root: Traversable, prefix: str = "") -> Iterator[tuple[str, Traversable]]:
+    """(relative path, file) for every source file under root, in a stable order."""
+    for item in sorted(root.iterdir(), key=lambda t: t.name):
+        if item.name in _SKIP_NAMES or item.name.endswith(".egg-info"):
+            continue
+        rel = f"{prefix}{item.name}"
+        if item.is_dir():
+            yield from _source_files(item, rel + "/")
+        elif item.name.endswith(_SOURCE_SUFFIXES):
+            yield rel, item
+
+
+def engine_version(source: Traversable | None = None) -> str:
+    """The version in the carried source's pyproject.toml; "" when unreadable."""
+    source = source or engine_source()
+    try:
+        data = tomllib.loads(source.joinpath("pyproject.toml").read_text())
+        return str(data["project"]["version"])
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return ""
+
+
+def engine_source_hash(source: Traversable | None = None) -> str:
+    """A digest of the plugin's sources: a change reinstalls it even at the same version."""
+    h = hashlib.sha256()
+    for rel, item in _source_files(source or engine_source()):
+        if rel.endswith((".py", ".toml")):
+            h.update(rel.encode())
+            h.update(item.read_bytes())
+    return h.hexdigest()[:16]
+
+
+# ------------------------------------------------------------------ the install
+
+
+def installed_version(python: str | os.PathLike[str], env: dict[str, str] | None = None) -> str:
+    """The plugin version `python`'s environment has; "" when none. OSError or TimeoutExpired when
+    the interpreter cannot be asked."""
+    r = subprocess.run(
+        [str(python), "-c", f"import importlib.metadata as m; print(m.version({DISTRIBUTION!r}))"],
+        capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=env,
+    )
+    return r.stdout.strip() if r.returncode == 0 else ""
+
+
+def _marker(python: Path) -> Path:
+    """Where we note which plugin sources were installed into that interpreter's environment."""
+    from wedgectl.runtime.install import cache_dir
+
+    key = hashlib.sha256(str(Path(python).absolute()).encode()).hexdigest()[:16]
+    return cache_dir() / "engine-installed" / f"{key}.txt"
+
+
+def ensure_engine_plugin(python: Path, progress: Callable[[str], None]) -> None:
+    """Install the carried plugin into the server's environment unless that exact source is there."""
+    source = engine_source()
+    want = engine_version(source)
+    digest = engine_source_hash(source)
+    marker = _marker(python)
+    noted = marker.read_text().strip() if marker.exists() else ""
+    if (installed_version(python) == want and noted == digest
+            and not os.environ.get("WEDGECTL_REINSTALL_ENGINE")):
+        return
+    if not want:
+        raise PluginInstallError(f"this wedgectl carries no engine plugin source ({SOURCE_PACKAGE}); "
+                                 f"install {DISTRIBUTION} into {python}'s environment")
+    progress(f"installing the engine plugin into {python}")
+    with tempfile.TemporaryDirectory(prefix="wedge-engine-") as tmp:
+        # Build from a copy: pip leaves build/ and egg-info behind in the folder it builds,
+        # and an installed wheel's folder may not be writable.
+        build = Path(tmp) / "engine"
+        for rel, item in _source_files(source):
+            dest = build / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(item.read_bytes())
+        try:
+            r = subprocess.run(
+                [str(python), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(build)],
+                capture_output=True, text=True, timeout=PIP_TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired:
+            raise PluginInstallError(f"pip did not install the engine plugin within {PIP_TIMEOUT_S} s") from None
+    if r.returncode != 0:
+        raise PluginInstallError(f"pip could not install the engine plugin: {r.stderr.strip().splitlines()[-1:]}")
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(digest + "\n")
