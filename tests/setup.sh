@@ -14,8 +14,9 @@ PYTHON="${1:-.venv/bin/python}"
 
 # command on PATH (or py:module for the system python3), the Debian package that provides it,
 # and what the tests do without it.
-# After the fleet issue, add: "prometheus prometheus the tests against a real Prometheus skip"
 NEEDS=(
+  "prometheus prometheus the tests against a real Prometheus skip (tests/integration/test_watch_prometheus.py)"
+  "promtool prometheus the alert rules' promtool checks skip (tests/test_watch_deploy.py)"
   "bpftrace bpftrace the eBPF probe tests skip (tests/integration/test_probes*.py)"
   "py:bcc python3-bpfcc the probes' bcc back-end is not tried (bpftrace still is)"
   "tmux tmux top's live tests skip (tests/integration/test_top_live.py)"

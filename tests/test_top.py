@@ -310,10 +310,12 @@ async def test_swap_asks_first_then_calls_swap_deployment(monkeypatch):
     async with app.run_test(size=SIZE) as pilot:
         await until(pilot, lambda: app.frame is not None)
         await pilot.press("w")
-        assert isinstance(app.screen, ConfirmSwap)
+        await until(pilot, lambda: isinstance(app.screen, ConfirmSwap))  # the plan is read first
         await pilot.press("n")
         assert not isinstance(app.screen, ConfirmSwap) and called == []
-        await pilot.press("w", "y")
+        await pilot.press("w")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmSwap))
+        await pilot.press("y")
         await until(pilot, lambda: called == [src.deployment.api_pid])
         await until(pilot, lambda: any("swapped to the patched engine" in m for m in notes_of(app)))
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from wedgectl.errors import BadBundle, UnreadableInput
+from wedgectl.redact import redact_obj, redact_text
 from wedgectl.sources import MAX_LOG_BYTES, open_regular, stat_input
 from wedgectl.types import (
     BUNDLE_FORMAT,
@@ -213,14 +214,14 @@ def _loads(data: bytes | str, where: str) -> Any:
 
 
 def encode(bundle: Bundle) -> dict[str, bytes]:
-    """The bundle as {file name: bytes}."""
+    """The bundle as {file name: bytes}, every string redacted (docs/bundle.md says what goes)."""
     files = {
-        MANIFEST: json.dumps(to_jsonable(bundle.manifest), indent=2).encode(),
-        SAMPLES: "".join(json.dumps(to_jsonable(s)) + "\n" for s in bundle.samples).encode(),
-        LOG: "".join(line.rstrip("\n") + "\n" for line in bundle.log_lines).encode(),
+        MANIFEST: json.dumps(redact_obj(to_jsonable(bundle.manifest)), indent=2).encode(),
+        SAMPLES: "".join(json.dumps(redact_obj(to_jsonable(s))) + "\n" for s in bundle.samples).encode(),
+        LOG: "".join(redact_text(line.rstrip("\n")) + "\n" for line in bundle.log_lines).encode(),
     }
     if bundle.verdict is not None:
-        files[VERDICT] = json.dumps(to_jsonable(bundle.verdict), indent=2).encode()
+        files[VERDICT] = json.dumps(redact_obj(to_jsonable(bundle.verdict)), indent=2).encode()
     return files
 
 
@@ -252,24 +253,36 @@ def decode(files: dict[str, bytes], origin: str) -> Bundle:
     return Bundle(manifest=manifest, samples=tuple(samples), log_lines=log_lines, verdict=verdict)
 
 
+def _open_private(path: Path) -> BinaryIO:
+    """path opened for writing, mode 0600 from its first byte (an existing file is narrowed too)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "wb")
+
+
 def write_bundle(bundle: Bundle, path: str | Path) -> Path:
-    """Write to a directory, or to a .tar.gz when the path ends so. Returns the path."""
+    """Write to a directory, or to a .tar.gz when the path ends so. Returns the path.
+
+    Only the owner may read it: files and the archive 0600, the directory 0700
+    (a bundle holds command lines, paths and logs even with secrets redacted)."""
     path = Path(path)
     files = encode(bundle)
     if path.name.endswith((".tar.gz", ".tgz")):
         path.parent.mkdir(parents=True, exist_ok=True)
         top = path.name.removesuffix(".tar.gz").removesuffix(".tgz") or "bundle"
-        with tarfile.open(path, "w:gz") as tar:
+        with _open_private(path) as fh, tarfile.open(fileobj=fh, mode="w:gz") as tar:
             for name, data in files.items():
                 info = tarfile.TarInfo(f"{top}/{name}")
                 info.size = len(data)
                 info.mtime = int(time.time())
-                info.mode = 0o644
+                info.mode = 0o600
                 tar.addfile(info, io.BytesIO(data))
         return path
-    path.mkdir(parents=True, exist_ok=True)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
     for name, data in files.items():
-        (path / name).write_bytes(data)
+        with _open_private(path / name) as fh:
+            fh.write(data)
     return path
 
 

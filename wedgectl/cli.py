@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Iterable
@@ -12,6 +13,7 @@ import typer
 
 from wedgectl import __version__, exitcodes
 from wedgectl.errors import WedgectlError
+from wedgectl.redact import redact_text
 from wedgectl.render import failure_summary, render_report
 from wedgectl.types import ProbeBackend, ProbeMode
 
@@ -29,7 +31,7 @@ app.add_typer(runtime_app, name="runtime")
 
 def _echo(lines: Iterable[str]) -> None:
     for line in lines:
-        typer.echo(line)
+        typer.echo(redact_text(line))  # the renderers redact before wrapping; this is the last guard
 
 
 @app.command()
@@ -234,25 +236,74 @@ def swap(
     stop_grace: Annotated[float, typer.Option("--stop-grace", help="Seconds between SIGTERM and SIGKILL for the old server.")] = 15.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (secrets redacted).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Swap even though a supervisor (systemd, Kubernetes, a container runtime, supervisord) runs the server.")] = False,
 ) -> None:
     """Hot-swap a running vLLM server for the same command with the wedge_engine fixes on, same port.
 
     Stops the old tree (SIGTERM, then SIGKILL), starts its command with WEDGE_ENGINE_FIXES=all, waits for /health and reports the downtime; if the patched server never gets healthy the original command is started again. Secrets are never printed.
 
-    Exit status: 0 swapped (or --dry-run); 43 the swap failed (rolled back where it could).
+    The server's interpreter, pip and the new server run as the server's user; --dry-run runs nothing of the server's. SIGINT, SIGTERM or SIGHUP during the swap roll back to the original command.
+
+    Exit status: 0 swapped (or --dry-run); 43 the swap failed (rolled back where it could); 44 refused: the server's interpreter or site-packages is writable by another user; 45 refused: a supervisor runs the server (--force overrides); 130 interrupted (rolled back).
     """
     from wedgectl.render import render_swap
     from wedgectl.swap import swap_deployment
 
     say = (lambda _m: None) if quiet or as_json and not sys.stderr.isatty() else _progress
     result = swap_deployment(pid, dry_run=dry_run, progress=say, health_timeout_s=health_timeout,
-                             stop_grace_s=stop_grace)
-    _echo(render_swap(result, as_json))
-    raise typer.Exit(0 if result.ok else exitcodes.SWAP_FAILED)
+                             stop_grace_s=stop_grace, force=force)
+    with contextlib.suppress(OSError):  # a terminal gone with SIGHUP: the swap itself is done
+        _echo(render_swap(result, as_json))
+    raise typer.Exit(0 if result.ok else exitcodes.INTERRUPTED if result.interrupted else exitcodes.SWAP_FAILED)
 
+
+@app.command()
+def watch(
+    pid: Annotated[Optional[list[int]], typer.Option("--pid", help="A pid of a vLLM deployment to watch (repeatable).")] = None,
+    url: Annotated[Optional[list[str]], typer.Option("--url", help="A server's base URL to watch, metrics only (repeatable).")] = None,
+    listen: Annotated[str, typer.Option("--listen", help="HOST:PORT serving /metrics, /livez and /v1/targets.")] = "127.0.0.1:9464",
+    bundle_dir: Annotated[Optional[Path], typer.Option("--bundle-dir", help="Save an evidence bundle here at each episode's onset.")] = None,
+    bundle_keep: Annotated[int, typer.Option("--bundle-keep", help="Onset bundles kept in --bundle-dir (oldest deleted first).")] = 50,
+    bundle_max_mb: Annotated[float, typer.Option("--bundle-max-mb", help="MiB all onset bundles may take together.")] = 512.0,
+    grace: Annotated[float, typer.Option("--grace", help="Seconds in a hang class before /livez answers 503.")] = 120.0,
+    interval: Annotated[float, typer.Option("--interval", help="Seconds between looks at each server.")] = 5.0,
+    ebpf: Annotated[ProbeMode, typer.Option("--ebpf", help="Probes in the capture taken at an episode's onset.")] = ProbeMode.AUTO,
+    as_json: Annotated[bool, typer.Option("--json", help="Episodes as JSON lines.")] = False,
+    max_seconds: Annotated[Optional[float], typer.Option("--max-seconds", help="Stop after this long (tests, benchmarks).")] = None,
+) -> None:
+    """Classify every vLLM server continuously; serve the verdicts to Prometheus and liveness probes.
+
+    With no --pid or --url: every vLLM deployment on this host (or in this pod), rediscovered as servers come and go.
+
+    One line per episode on stdout (--json: JSON lines). SIGTERM or Ctrl-C stops it.
+    """
+    import signal
+    import threading
+
+    from wedgectl.watch import Rotation, Spec, WatchOptions, run_watch
+
+    if interval <= 0 or grace < 0 or bundle_keep < 1 or bundle_max_mb <= 0:
+        raise typer.BadParameter("--interval must be > 0, --grace >= 0, --bundle-keep >= 1, --bundle-max-mb > 0")
+    specs = tuple(Spec(pid=p) for p in pid or ()) + tuple(Spec(url=u) for u in url or ())
+    options = WatchOptions(specs=specs, listen=listen, bundle_dir=bundle_dir, grace_s=grace, interval_s=interval,
+                           rotation=Rotation(bundle_keep, int(bundle_max_mb * (1 << 20))), ebpf=ebpf.value,
+                           as_json=as_json)
+    try:
+        os.nice(10)  # a watcher yields the CPU to the servers it watches
+    except OSError:
+        pass
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        rc = run_watch(options, stop, emit=lambda line: print(line, flush=True), say=_progress, max_s=max_seconds)
+    except (OSError, ValueError) as exc:
+        typer.echo(f"wedgectl: --listen {listen}: {exc}", err=True)
+        raise typer.Exit(exitcodes.USAGE) from None
+    raise typer.Exit(rc)
 
 def _progress(msg: str) -> None:
-    print(f"wedgectl: {msg}", file=sys.stderr, flush=True)
+    print(redact_text(f"wedgectl: {msg}"), file=sys.stderr, flush=True)
 
 
 @runtime_app.command("install")
@@ -306,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except WedgectlError as exc:
-        print(f"wedgectl: {_one_line(str(exc))}", file=sys.stderr)
+        print(f"wedgectl: {_one_line(redact_text(str(exc)))}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         print("wedgectl: interrupted", file=sys.stderr)
@@ -319,5 +370,6 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(exc.exit_code)
         if os.environ.get("WEDGECTL_DEBUG"):
             raise
-        print(f"wedgectl: internal error: {type(exc).__name__}: {exc} (WEDGECTL_DEBUG=1 shows the traceback)", file=sys.stderr)
+        print(redact_text(f"wedgectl: internal error: {type(exc).__name__}: {exc} (WEDGECTL_DEBUG=1 shows the traceback)"),
+              file=sys.stderr)
         sys.exit(exitcodes.INTERNAL)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
-from wedgectl.collect import processes
+from wedgectl.collect import processes, procfs, procread
 from wedgectl.collect.scrape import metrics_url_for
 from wedgectl.errors import NoSuchProcess, NotVllm
+from wedgectl.redact import redact_argv
 from wedgectl.types import Role
 
 
@@ -24,6 +26,8 @@ class Deployment:
     base_url: str | None
     metrics_url: str | None
     log_path: str | None = None
+    # pid -> its start time (clock ticks after boot) when discovered: what a signal checks
+    start_ticks: Mapping[int, int] = field(default_factory=dict)
 
     @property
     def pids(self) -> tuple[int, ...]:
@@ -86,8 +90,8 @@ def listening_of(pid: int, proc_root: Path = Path("/proc")) -> tuple[str, ...]:
     except OSError:
         pass
     try:
-        port = port_from_cmdline(psutil.Process(pid).cmdline())
-    except (psutil.Error, OSError):
+        port = port_from_cmdline(procread.read_cmdline(pid, proc_root))
+    except OSError:
         return ()
     found = []
     for name in ("tcp", "tcp6"):
@@ -111,7 +115,8 @@ def discover(pid: int | None = None, url: str | None = None) -> Deployment:
     try:
         target = psutil.Process(pid)
         is_vllm = processes.looks_like_vllm(target)
-        what = " ".join(target.cmdline())[:60] or target.name()
+        name, argv = processes.name_cmdline(pid)
+        what = " ".join(redact_argv(argv))[:60] or name  # redacted before it is cut
     except (psutil.Error, OSError):
         raise NoSuchProcess(f"pid {pid}: exited before it could be read") from None
     if not is_vllm:
@@ -121,10 +126,17 @@ def discover(pid: int | None = None, url: str | None = None) -> Deployment:
     if not tree:
         raise NoSuchProcess(f"pid {pid}: exited before it could be read")
     roles = {p.pid: processes.role_of(p) for p in tree}
+    if roles[tree[0].pid] is not Role.API_SERVER:
+        # Above the API servers (a supervisor with a vLLM-looking title): which deployment is meant?
+        servers = processes.api_servers_below(tree[0].pid)
+        if servers:
+            raise NotVllm(f"pid {pid} is not part of one vLLM deployment: it runs {len(servers)} API "
+                          f"server(s) (pids {' '.join(map(str, servers))}); give one of them")
+    ticks = {p: t for p in roles if (t := procfs.start_ticks(p)) is not None}
     api = next((p for p, r in roles.items() if r == Role.API_SERVER), None)
     listening: tuple[str, ...] = ()
     if api is not None:
         listening = listening_of(api)
     base = normalise_url(url) if url else base_url_from_listening(listening)
     log = log_path_of(api) if api is not None else None
-    return Deployment(tree[0].pid, api, roles, base, metrics_url_for(base) if base else None, log)
+    return Deployment(tree[0].pid, api, roles, base, metrics_url_for(base) if base else None, log, ticks)

@@ -33,6 +33,8 @@ RUNTIME_MISSING = 40  # the managed vLLM runtime is not installed
 REPRO_FAILED = 41  # a repro did not reach the expected verdict
 SERVER_FAILED = 42  # a vLLM server did not start
 SWAP_FAILED = 43
+SWAP_UNSAFE = 44  # swap refused: the target's interpreter or site-packages is writable by another user
+SWAP_SUPERVISED = 45  # swap refused: a supervisor (systemd, Kubernetes, a container runtime) runs the target
 INTERNAL = 70  # a bug in wedgectl; the message says where to report it
 INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it)
 

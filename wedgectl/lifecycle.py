@@ -12,28 +12,35 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import enum
+import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import psutil
 
-from wedgectl import exitcodes
+from wedgectl import exitcodes, shm
+from wedgectl.collect import procfs, procread
+from wedgectl.collect.target import Credentials
 from wedgectl.errors import WedgectlError
 
 HEALTH_POLL_S = 0.5
 HEALTH_REQUEST_S = 2.0  # one GET /health; a server that takes longer is not healthy yet
 STOP_POLL_S = 0.05
 KILL_WAIT_S = 5.0  # after SIGKILL, for the kernel to end what was killed
+TOOL_KILL_WAIT_S = 2.0  # for a tool (py-spy, bpftrace) to end after the SIGKILL that follows its timeout
 REAP_WAIT_S = 5.0  # then for init (or a subreaper) to reap the orphans: seconds on some machines
 LOG_TAIL_LINES = 40
+_log = logging.getLogger(__name__)
 
 
 class ServerStartError(WedgectlError):
@@ -59,6 +66,7 @@ class Command:
     log_path: Path  # appended to
     cwd: str | None = None
     tmp_dir: Path | None = None  # a folder of the server's own (its TMPDIR), removed when it stops
+    run_as: Credentials | None = None  # swap: start it as the target's user, the log opened as that user
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,6 +79,7 @@ class Server:
     popen: subprocess.Popen
     started_at: float  # time.time() just before the launch
     tmp_dir: Path | None = None
+    start_ticks: int | None = None  # procfs.start_ticks: what every signal to it checks
 
     def tree_pids(self) -> tuple[int, ...]:
         """The API server and every live descendant, right now."""
@@ -87,6 +96,9 @@ class Stopped:
 
     seconds: float
     killed: bool
+    refused: tuple[str, ...] = ()  # signals not sent: the pid had been reused since it was planned
+    shm_removed: tuple[str, ...] = ()  # /dev/shm files the tree left and no live process holds
+    shm_kept: tuple[str, ...] = ()  # the tree's /dev/shm files left in place: still held, or unsure
 
 
 # ------------------------------------------------------------------ starting
@@ -115,11 +127,15 @@ def launch(command: Command, owned: bool = True) -> Server:
     stopped or detached before; one that is not (swap's, which must outlive
     wedgectl) is left to its caller.
     """
-    command.log_path.parent.mkdir(parents=True, exist_ok=True)
+    as_user = command.run_as.popen_kwargs if command.run_as is not None else {}
+    if not as_user:
+        command.log_path.parent.mkdir(parents=True, exist_ok=True)
+    else:  # root never opens (or creates) a log the user chose: the child does, as the user
+        as_user = {**as_user, "preexec_fn": _log_opener(command.log_path)}
     started_at = time.time()
     try:
         # The child keeps its own copy of the descriptor; ours closes at once.
-        with open(command.log_path, "ab") as log:
+        with open(os.devnull if as_user else command.log_path, "ab") as log:
             popen = subprocess.Popen(
                 list(command.argv),
                 cwd=command.cwd,
@@ -128,15 +144,49 @@ def launch(command: Command, owned: bool = True) -> Server:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                **as_user,  # type: ignore[arg-type]
             )
     except BaseException:
+        # A Ctrl-C can land after the fork but before Popen returns: the child, in a session of
+        # its own, would live on with nobody holding its pid.
+        for pid in _children_running(command.argv, started_at):
+            stop_tree(pid, grace=0, started_at=started_at)
         if command.tmp_dir is not None:
             shutil.rmtree(command.tmp_dir, ignore_errors=True)
         raise
-    server = Server(popen.pid, command.url, command.log_path, popen, started_at, command.tmp_dir)
+    try:
+        server = Server(popen.pid, command.url, command.log_path, popen, started_at, command.tmp_dir,
+                        procfs.start_ticks(popen.pid))
+    except BaseException:  # Ctrl-C again: the tree is ours and nobody else will stop it
+        stop_tree(popen.pid, grace=0, popen=popen, started_at=started_at)
+        raise
     if owned:
         _live.add(server)
     return server
+
+
+def _children_running(argv: Iterable[str], since: float) -> list[int]:
+    """Our own children started at or after `since` (a unix time) that run `argv`."""
+    want = list(argv)
+    found = []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if child.create_time() >= since - 1 and child.cmdline() == want:
+                found.append(child.pid)
+    return found
+
+
+def _log_opener(path: Path) -> Callable[[], None]:
+    """Run in the child after its switch to the user: open the log as that user onto stdout and stderr."""
+    target = os.fsencode(path)
+
+    def open_log() -> None:
+        fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+
+    return open_log
 
 
 def health_status(client: httpx.Client, url: str) -> int | None:
@@ -187,8 +237,7 @@ def start_detached(argv: list[str]) -> subprocess.Popen:
 
 def signal_server(server: Server, sig: signal.Signals) -> None:
     """Send `sig` to the API server alone, as an orchestrator does (repro's shutdown step)."""
-    with contextlib.suppress(ProcessLookupError):
-        server.popen.send_signal(sig)
+    signal_child(server.popen, sig)
 
 
 def wait_exit(server: Server, timeout: float) -> float | None:
@@ -209,7 +258,9 @@ def stop_server(server: Server, grace: float = 10) -> float:
     it again is harmless.
     """
     try:
-        return stop_tree(server.pid, grace, popen=server.popen, started_at=server.started_at).seconds
+        planned = {server.pid: server.start_ticks} if server.start_ticks is not None else None
+        return stop_tree(server.pid, grace, popen=server.popen, started_at=server.started_at,
+                         planned=planned).seconds
     finally:
         if server.tmp_dir is not None:
             shutil.rmtree(server.tmp_dir, ignore_errors=True)
@@ -231,6 +282,106 @@ def running(command: Command, health_timeout: float = 180, grace: float = 10) ->
         stop_server(server, grace)
 
 
+class Delivery(enum.Enum):
+    """What became of one signal."""
+
+    SENT = "sent"
+    GONE = "gone"  # the process had exited (a zombie counts as sent)
+    REUSED = "reused"  # refused: the pid names another process than the one planned
+    DENIED = "denied"  # no permission
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A process as it was when planned: its pid and its start time (procfs.start_ticks).
+
+    A pid alone may name another process by the time the signal goes: the
+    planned one exited and the kernel handed its number on.
+    """
+
+    pid: int
+    start_ticks: int | None
+
+    @classmethod
+    def now(cls, pid: int) -> Planned:
+        return cls(pid, procfs.start_ticks(pid))
+
+    @property
+    def reuse_note(self) -> str:
+        return (f"pid {self.pid} was not signalled: it started at tick {procfs.start_ticks(self.pid)}, "
+                f"not {self.start_ticks} as planned, so it is another process now")
+
+
+def send_signal(target: Planned, sig: int, *, group: bool = False) -> Delivery:
+    """The one place wedgectl signals a process: `sig` to `target` if it is still the planned process.
+
+    The pid's start time must match the plan; otherwise the signal is refused
+    and logged (Delivery.REUSED). A pidfd, where the kernel has them, pins the
+    process between that check and the signal. With `group`, `sig` goes to the
+    process group the planned process leads; its members keep the group id
+    from being handed on, so a group whose leader has exited is still its.
+    """
+    pidfd = None
+    if not group and hasattr(os, "pidfd_open"):
+        try:
+            pidfd = os.pidfd_open(target.pid)
+        except ProcessLookupError:
+            return Delivery.GONE
+        except OSError:
+            pidfd = None  # a kernel without pidfds: the check and the kill are then two steps
+    try:
+        now = procfs.start_ticks(target.pid)
+        if now is None and not group:
+            return Delivery.GONE
+        if now is not None and now != target.start_ticks:
+            _log.warning("%s", target.reuse_note)
+            return Delivery.REUSED
+        if group:
+            os.killpg(target.pid, sig)
+        elif pidfd is not None:
+            signal.pidfd_send_signal(pidfd, sig)
+        else:
+            os.kill(target.pid, sig)
+    except ProcessLookupError:
+        return Delivery.GONE
+    except PermissionError:
+        return Delivery.DENIED
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+    return Delivery.SENT
+
+
+def signal_child(popen: subprocess.Popen, sig: int) -> Delivery:
+    """`sig` to a child this process started, unless it was reaped (then its pid may be anyone's)."""
+    if popen.poll() is not None:
+        return Delivery.GONE
+    # Not reaped: the pid is still this child's, so its start time now is the planned one.
+    return send_signal(Planned.now(popen.pid), sig)
+
+
+def run_bounded(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None, stdin: int | None = None,
+                popen: Callable[..., subprocess.Popen] = subprocess.Popen, kill_wait: float = TOOL_KILL_WAIT_S,
+                **_run_kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=...), whose wait after the kill is
+    bounded too (`kill_wait`): a tool reading a target in state D (py-spy, bpftrace) can itself block
+    in the kernel, and subprocess.run waits for a killed child without a bound. Raises
+    subprocess.TimeoutExpired; a child that outlives `kill_wait` is left to the kernel."""
+    proc = popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, stdin=stdin)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        signal_child(proc, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=kill_wait)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        raise subprocess.TimeoutExpired(cmd, timeout) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def stop_tree(
     pid: int,
     grace: float,
@@ -238,77 +389,107 @@ def stop_tree(
     popen: subprocess.Popen | None = None,
     extra: Iterable[int] = (),
     started_at: float | None = None,
+    planned: Mapping[int, int] | None = None,
 ) -> Stopped:
     """SIGTERM `pid`; SIGKILL what is left of its tree (and of `extra`) after `grace` seconds.
 
     With `popen` (a server started here, in a session of its own) the members
     of its process group count as its tree too, so orphans of an API server that
-    died are found; `started_at` rules out a group id reused since. A zombie
-    counts as exited; children of this process are reaped. The seconds returned
-    run until every process had exited; after that it waits (bounded) for the
-    orphans to be reaped, so their pids are gone when it returns.
+    died are found; `started_at` rules out a group id reused since. `planned`
+    holds the start times (procfs.start_ticks) the pids had when the stop was
+    planned: a pid that started at another time since is refused, never
+    signalled (see `send_signal`). A zombie counts as exited; children of this
+    process are reaped. The seconds returned run until every process had
+    exited; after that it waits (bounded) for the orphans to be reaped, so
+    their pids are gone when it returns, and removes the /dev/shm files the
+    tree mapped that no live process holds any more (a SIGKILLed vLLM leaves
+    its shared memory behind).
     """
     start = time.monotonic()
-    tree = _Tree(pid, popen, started_at)
+    tree = _Tree(pid, popen, started_at, planned or {})
     tree.collect(extra)
+    left_shm = procread.shm_files_of(tree.live_pids())  # before any signal: the tree maps them now
     # Only while the group has members is its id surely still this tree's.
     group_is_ours = popen is not None and (not tree.root_exited() or bool(tree.others))
     try:
         if not tree.root_exited():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGTERM)
+            tree.signal_root(signal.SIGTERM)
         tree.wait_exited(start + grace)
     finally:
         # Also on KeyboardInterrupt mid-wait: nothing of the tree survives.
-        killed = tree.kill(group_is_ours)
+        killed = tree.kill_left(group_is_ours)
         if killed:
             tree.wait_exited(time.monotonic() + KILL_WAIT_S)
     seconds = time.monotonic() - start
     tree.wait_reaped(time.monotonic() + REAP_WAIT_S)
-    return Stopped(seconds, killed)
+    removed, kept = shm.remove_unheld(left_shm)
+    return Stopped(seconds, killed, tuple(tree.refused), removed, kept)
 
 
 class _Tree:
-    """The processes of one server: its root (by pid, or our Popen) and the others, found once."""
+    """The processes of one server: its root (by pid, or our Popen) and the others, found once,
+    each with the start time every signal to it is checked against."""
 
-    def __init__(self, pid: int, popen: subprocess.Popen | None, started_at: float | None) -> None:
-        self.pid, self.popen = pid, popen
+    def __init__(self, pid: int, popen: subprocess.Popen | None, started_at: float | None,
+                 planned: Mapping[int, int]) -> None:
+        self.pid, self.popen, self.planned = pid, popen, planned
+        self.refused: list[str] = []
+        self.ticks: dict[int, int | None] = {}
         self.root: psutil.Process | None = None
-        with contextlib.suppress(psutil.Error):
-            self.root = psutil.Process(pid)
+        if self._admit(pid):
+            with contextlib.suppress(psutil.Error):
+                self.root = psutil.Process(pid)
         if started_at is None and self.root is not None:
             with contextlib.suppress(psutil.Error):
                 started_at = self.root.create_time()
         self.started_at = started_at
         self.others: dict[int, psutil.Process] = {}
 
+    def _admit(self, pid: int) -> bool:
+        """Note the pid's start time; False (and the refusal noted) when it is not the planned one."""
+        now = procfs.start_ticks(pid)
+        want = self.planned.get(pid, now)
+        if now is not None and now != want:
+            self.refused.append(Planned(pid, want).reuse_note)
+            _log.warning("%s", self.refused[-1])
+            return False
+        self.ticks[pid] = want
+        return now is not None
+
+    def live_pids(self) -> list[int]:
+        root = [self.pid] if self.root is not None and not self.root_exited() else []
+        return root + [p for p, proc in self.others.items() if not _has_exited(proc)]
+
     def collect(self, extra: Iterable[int] = ()) -> None:
         """The root's descendants while it lives; members of its group (ours only); `extra`."""
+        found: list[psutil.Process] = []
         if self.root is not None and not self.root_exited():
             with contextlib.suppress(psutil.Error):
-                for proc in self.root.children(recursive=True):
-                    self.others.setdefault(proc.pid, proc)
+                found += self.root.children(recursive=True)
         if self.popen is not None and self.started_at is not None:
             for proc in psutil.process_iter():
-                if proc.pid == self.pid or proc.pid in self.others:
-                    continue
                 try:
                     # create_time rules out a group id reused after the server's end.
                     if os.getpgid(proc.pid) == self.pid and proc.create_time() >= self.started_at - 1:
-                        self.others[proc.pid] = proc
+                        found.append(proc)
                 except (OSError, psutil.Error):
                     continue
         for other in extra:
-            if other != self.pid and other not in self.others:
-                with contextlib.suppress(psutil.Error):
-                    self.others[other] = psutil.Process(other)
+            with contextlib.suppress(psutil.Error):
+                found.append(psutil.Process(other))
+        for proc in found:
+            if proc.pid != self.pid and proc.pid not in self.others and proc.pid not in self.ticks:
+                if self._admit(proc.pid):
+                    self.others[proc.pid] = proc
 
     def root_exited(self) -> bool:
         if self.popen is not None:
             return self.popen.poll() is not None  # reaps it once it exits
+        if self.root is None:
+            return True  # gone, or the pid is another process's now: never reap that one
         with contextlib.suppress(ChildProcessError, OSError):
             os.waitpid(self.pid, os.WNOHANG)  # our child (a swap's earlier server): leave no zombie
-        return self.root is None or _has_exited(self.root)
+        return _has_exited(self.root)
 
     def all_exited(self) -> bool:
         return self.root_exited() and all(map(_has_exited, self.others.values()))
@@ -317,7 +498,17 @@ class _Tree:
         while not self.all_exited() and time.monotonic() < deadline:
             time.sleep(STOP_POLL_S)
 
-    def kill(self, group_is_ours: bool) -> bool:
+    def signal_root(self, sig: int) -> None:
+        if self.popen is not None:
+            signal_child(self.popen, sig)
+        elif self.root is not None:
+            self._send(self.pid, sig)
+
+    def _send(self, pid: int, sig: int, group: bool = False) -> None:
+        if send_signal(Planned(pid, self.ticks.get(pid)), sig, group=group) is Delivery.REUSED:
+            self.refused.append(Planned(pid, self.ticks.get(pid)).reuse_note)
+
+    def kill_left(self, group_is_ours: bool) -> bool:
         """SIGKILL whatever has not exited; whether anything had to be."""
         if self.root is not None and not self.root_exited():
             # Children it started during the grace are in the tree too.
@@ -325,20 +516,14 @@ class _Tree:
         left = [p for p in self.others.values() if not _has_exited(p)]
         killed = not self.root_exited() or bool(left)
         if not self.root_exited():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                if self.popen is not None:
-                    self.popen.kill()
-                elif self.root is not None:
-                    self.root.kill()  # psutil refuses if the pid was reused
+            self.signal_root(signal.SIGKILL)
         for proc in left:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
+            self._send(proc.pid, signal.SIGKILL)
         # Anything started after the snapshot is still in the session's group. Linux does
         # not reuse a pid while it names a live process group, and the group had members a
         # moment ago, so the id still means this server.
         if group_is_ours:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pid, signal.SIGKILL)
+            self._send(self.pid, signal.SIGKILL, group=True)
         return killed
 
     def wait_reaped(self, deadline: float) -> None:

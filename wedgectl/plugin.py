@@ -20,6 +20,7 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from wedgectl import exitcodes
+from wedgectl.collect.target import Credentials
 from wedgectl.errors import WedgectlError
 
 DISTRIBUTION = "wedgectl-engine"
@@ -100,14 +101,47 @@ def engine_source_hash(source: Traversable | None = None) -> str:
 # ------------------------------------------------------------------ the install
 
 
-def installed_version(python: str | os.PathLike[str], env: dict[str, str] | None = None) -> str:
+def installed_version(python: str | os.PathLike[str], env: dict[str, str] | None = None,
+                      run_as: Credentials | None = None) -> str:
     """The plugin version `python`'s environment has; "" when none. OSError or TimeoutExpired when
-    the interpreter cannot be asked."""
+    the interpreter cannot be asked. `run_as`: the server's user, so its code never runs as root."""
     r = subprocess.run(
         [str(python), "-c", f"import importlib.metadata as m; print(m.version({DISTRIBUTION!r}))"],
-        capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=env,
+        capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=env, **_as(run_as),
     )
     return r.stdout.strip() if r.returncode == 0 else ""
+
+
+def install_dir(python: str | os.PathLike[str], env: dict[str, str] | None = None,
+                run_as: Credentials | None = None) -> str:
+    """Where pip would install into `python`'s environment (its purelib); "" when it cannot be asked."""
+    try:
+        r = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                           capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=env, **_as(run_as))
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return r.stdout.strip() if r.returncode == 0 else ""
+
+
+def recorded_version(python: str | os.PathLike[str]) -> tuple[str, str]:
+    """(version, where) of the plugin's dist-info beside a venv's `python`, read without running it;
+    ("", what was looked at) when none is found there."""
+    prefix = Path(python).parent.parent
+    lib = prefix / "lib"
+    try:
+        site_dirs = sorted(lib.glob("python3*/site-packages")) + sorted(lib.glob("python3*/dist-packages"))
+        for site in site_dirs:
+            for info in sorted(site.glob("wedgectl_engine-*.dist-info")):
+                for line in (info / "METADATA").read_text(errors="replace").splitlines()[:20]:
+                    if line.startswith("Version:"):
+                        return line.split(":", 1)[1].strip(), str(site)
+    except OSError:
+        pass
+    return "", f"{lib}/python3*/site-packages"
+
+
+def _as(run_as: Credentials | None) -> dict[str, object]:
+    return run_as.popen_kwargs if run_as is not None else {}
 
 
 def _marker(python: Path) -> Path:
@@ -118,14 +152,19 @@ def _marker(python: Path) -> Path:
     return cache_dir() / "engine-installed" / f"{key}.txt"
 
 
-def ensure_engine_plugin(python: Path, progress: Callable[[str], None]) -> None:
-    """Install the carried plugin into the server's environment unless that exact source is there."""
+def ensure_engine_plugin(python: Path, progress: Callable[[str], None], env: dict[str, str] | None = None,
+                         run_as: Credentials | None = None) -> None:
+    """Install the carried plugin into the server's environment unless that exact source is there.
+
+    With `run_as` (the server's user) the interpreter and pip run as that user, never as root,
+    with `env` (the server's environment, less what makes the plugin act).
+    """
     source = engine_source()
     want = engine_version(source)
     digest = engine_source_hash(source)
     marker = _marker(python)
     noted = marker.read_text().strip() if marker.exists() else ""
-    if (installed_version(python) == want and noted == digest
+    if (installed_version(python, env, run_as) == want and noted == digest
             and not os.environ.get("WEDGECTL_REINSTALL_ENGINE")):
         return
     if not want:
@@ -140,10 +179,13 @@ def ensure_engine_plugin(python: Path, progress: Callable[[str], None]) -> None:
             dest = build / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_bytes(item.read_bytes())
+        if run_as is not None and run_as.popen_kwargs:
+            _hand_over(Path(tmp), run_as)  # pip, as the server's user, writes build/ beside the copy
         try:
             r = subprocess.run(
-                [str(python), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(build)],
-                capture_output=True, text=True, timeout=PIP_TIMEOUT_S,
+                [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-cache-dir", "--force-reinstall",
+                 str(build)],
+                capture_output=True, text=True, timeout=PIP_TIMEOUT_S, env=env, **_as(run_as),
             )
         except subprocess.TimeoutExpired:
             raise PluginInstallError(f"pip did not install the engine plugin within {PIP_TIMEOUT_S} s") from None
@@ -151,3 +193,10 @@ def ensure_engine_plugin(python: Path, progress: Callable[[str], None]) -> None:
         raise PluginInstallError(f"pip could not install the engine plugin: {r.stderr.strip().splitlines()[-1:]}")
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(digest + "\n")
+
+
+def _hand_over(root: Path, run_as: Credentials) -> None:
+    """Give a private build folder (ours, fresh, no links) to the user pip runs as."""
+    for folder, dirs, files in os.walk(root):
+        for name in [folder, *(os.path.join(folder, n) for n in dirs + files)]:
+            os.chown(name, run_as.uid, run_as.gid, follow_symlinks=False)

@@ -1,4 +1,10 @@
-"""Renderers: a verdict as text lines that fit 80 columns, or as one JSON object."""
+"""Renderers: a verdict as text lines that fit 80 columns, or as one JSON object, secrets redacted.
+
+Everything a renderer prints passes through wedgectl.redact before it is
+wrapped (a wrap could split a secret from the flag that names it), whatever
+the evidence came from: a live capture (already redacted) or a bundle from
+an older writer (maybe not).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from wedgectl.bundle import to_jsonable
+from wedgectl.redact import redact_argv, redact_obj, redact_text, redact_url
 from wedgectl.types import BackendStatus, ProbeRecord, ProbeResult, ThreadProbe, Verdict
 
 WIDTH = 80
@@ -17,7 +24,7 @@ def verdict_to_json(verdict: Verdict, **extra: Any) -> dict[str, Any]:
     """The --json object: verdict, confidence, summary, evidence, advice, and extras."""
     out = to_jsonable(verdict)
     out.update({k: to_jsonable(v) for k, v in extra.items()})
-    return out
+    return redact_obj(out)
 
 
 def dumps(obj: Any) -> str:
@@ -41,25 +48,26 @@ def render_verdict(verdict: Verdict, width: int = WIDTH, expected: str | None = 
         mark = "matches" if expected == verdict.verdict.value else "MISMATCH"
         head += f"  expected {expected}: {mark}"
     yield head
-    yield from textwrap.wrap(verdict.summary, width)
+    yield from textwrap.wrap(redact_text(verdict.summary), width)
     if verdict.evidence:
         yield ""
         yield "Evidence"
         for e in verdict.evidence:
             tag = f"[{e.source}{' ' + e.t if e.t else ''}] "
-            yield from textwrap.wrap(e.what, width, initial_indent="  " + tag, subsequent_indent="      ")
+            yield from textwrap.wrap(redact_text(e.what), width, initial_indent="  " + tag, subsequent_indent="      ")
             skip = {"frames"}
-            vals = ", ".join(f"{k}={_fmt_value(v)}" for k, v in e.values.items() if v is not None and k not in skip)
+            vals = redact_text(", ".join(f"{k}={_fmt_value(v)}" for k, v in e.values.items()
+                                         if v is not None and k not in skip))
             if vals:
                 yield from textwrap.wrap(vals, width, initial_indent="      ", subsequent_indent="      ")
             for fr in (e.values.get("frames") or [])[:5]:
-                fr = str(fr)
+                fr = redact_text(str(fr))
                 yield "        " + (fr if len(fr) <= width - 8 else fr[: width - 11] + "...")
     if verdict.advice:
         yield ""
         yield "Next"
         for a in verdict.advice:
-            yield from textwrap.wrap(a, width, initial_indent="  - ", subsequent_indent="    ")
+            yield from textwrap.wrap(redact_text(a), width, initial_indent="  - ", subsequent_indent="    ")
     yield ""
     yield f"rule: {verdict.rule}"
 
@@ -119,11 +127,11 @@ def render_report(verdict: Verdict, as_json: bool, expected: str | None = None, 
         return
     yield from render_verdict(verdict, expected=expected)
     for f in extra.get("collector_failures") or ():
-        yield from textwrap.wrap(f"could not read: {f['collector']} {f['kind']}: {f['message']}"[:300], WIDTH,
-                                 subsequent_indent="    ")
+        yield from textwrap.wrap(redact_text(f"could not read: {f['collector']} {f['kind']}: {f['message']}")[:300],
+                                 WIDTH, subsequent_indent="    ")
     for key, value in extra.items():
         if value is not None and key in ("bundle", "log", "pid", "url"):
-            yield f"{key}: {value}"
+            yield redact_text(f"{key}: {value}")
 
 
 def failure_summary(bundle: Bundle, most: int = 6) -> list[dict[str, Any]]:
@@ -160,10 +168,10 @@ def render_repro(result: ReproResult, as_json: bool, keep: bool = False) -> Iter
         yield from render_verdict(result.verdict, expected=cfg.expected)
     yield f"bundle: {result.bundle_path}"
     yield f"server log: {result.log_path}"
-    yield from (f"note: {n}" for n in result.notes)
+    yield from (redact_text(f"note: {n}") for n in result.notes)
     if keep:
         yield f"pid: {result.pid}"
-        yield f"url: {result.url}"
+        yield f"url: {redact_url(result.url)}"
 
 
 def render_patched(result: PatchedResult, as_json: bool = False) -> Iterator[str]:
@@ -183,20 +191,20 @@ def render_patched(result: PatchedResult, as_json: bool = False) -> Iterator[str
 
 def render_swap_plan(plan: SwapPlan) -> Iterator[str]:
     """What a swap will do, secrets redacted."""
-    from wedgectl.swap import redact_argv
-
     fixes = {k: v for k, v in plan.new_env.items() if k.startswith("WEDGE_ENGINE_")}
-    yield f"swap plan for the vLLM server pid {plan.api_pid} at {plan.url}"
+    yield f"swap plan for the vLLM server pid {plan.api_pid} at {redact_url(plan.url)}"
     yield (f"  processes to stop: {' '.join(map(str, plan.tree))} (SIGTERM to {plan.api_pid}, "
            f"SIGKILL after {plan.stop_grace_s:g} s)")
     yield f"  command: {' '.join(redact_argv(plan.argv))}"
     yield f"  cwd: {plan.cwd}"
-    yield f"  interpreter: {plan.python}"
+    yield f"  interpreter: {plan.python}, run as the server's user ({plan.run_as})"
     yield f"  plugin: {plan.plugin}" + ("" if plan.plugin_ok else " -> install the bundled engine/ first")
+    if plan.supervisor is not None:
+        yield f"  supervisor: {plan.supervisor.kind} ({plan.supervisor.why}): swap needs --force"
     yield (f"  environment: {len(plan.env)} variables kept; "
            f"set {', '.join(f'{k}={v}' for k, v in sorted(fixes.items()))}")
     yield f"  log: {plan.log_path or 'a new file under the wedgectl cache'}"
-    yield f"  then: wait for {plan.url}/health; if it never answers 200, start the original command again"
+    yield f"  then: wait for {redact_url(plan.url)}/health; if it never answers 200, start the original command again"
     if plan.secret_names:
         yield f"  secrets kept, not shown: {', '.join(plan.secret_names)}"
 
@@ -204,20 +212,22 @@ def render_swap_plan(plan: SwapPlan) -> Iterator[str]:
 def render_swap(result: SwapResult, as_json: bool = False) -> Iterator[str]:
     """A swap's outcome (or, for --dry-run, its plan); --json with secrets redacted."""
     if as_json:
-        yield dumps(result.to_json())
+        yield dumps(redact_obj(result.to_json()))
         return
     if result.dry_run:
         yield from render_swap_plan(result.plan)
         yield "dry run: nothing was touched"
         return
-    yield result.message
+    yield redact_text(result.message)
     if result.stop_s is not None:
         yield f"  old server stopped in {result.stop_s:.1f} s" + (" (SIGKILL needed)" if result.killed else "")
     if result.downtime_s is not None:
         yield f"  downtime: {result.downtime_s:.1f} s"
     if result.new_pid is not None:
         yield f"  pid: {result.new_pid}"
-    yield f"  url: {result.plan.url}"
+    yield f"  url: {redact_url(result.plan.url)}"
     if result.log_path:
         yield f"  log: {result.log_path}"
+    if result.restore_script:
+        yield f"  to start the original command again: sh {result.restore_script}"
 

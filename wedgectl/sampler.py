@@ -20,6 +20,7 @@ from wedgectl.collect.scrape import probe_health, scrape_metrics
 from wedgectl.discover import Deployment, discover, tree_roles
 from wedgectl.errors import BadMetrics, NoSuchProcess, Unreachable, WedgectlError
 from wedgectl.metrics import MetricsParseError, parse_metrics
+from wedgectl.redact import redact_url
 from wedgectl.sources import host_facts, read_log_lines
 from wedgectl.types import (
     Bundle,
@@ -202,7 +203,7 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
         created=time.time(),
         wedgectl_version=__version__,
         source="live" if dep.root_pid is not None else "url",
-        target=Target(pid=pid, url=dep.base_url, log_path=log_path, pids=dep.pids),
+        target=Target(pid=pid, url=redact_url(dep.base_url), log_path=log_path, pids=dep.pids),
         host=host_facts(),
     )
     samples: list[Sample] = []

@@ -7,8 +7,20 @@ the one this wedgectl carries if not, or if older), stop the old tree
 (lifecycle.stop_tree: SIGTERM to the API server, SIGKILL to whatever of the
 tree is left after a bound: it works on a server stuck in the shutdown hang),
 start the same command in the same directory with the fixes on
-(plugin.FIXES_ENV) on the same port, wait for /health, report the downtime. If the patched server never gets healthy, the original
-command is started again and the result says so.
+(plugin.FIXES_ENV) on the same port, wait for /health, report the downtime.
+If the patched server never gets healthy, the original command is started
+again and the result says so.
+
+Nothing of the target's runs as root: its interpreter, its pip and the new
+server run as the target's uid, gid and groups (collect.target.Credentials),
+its log is opened by the new server itself, and a plan (--dry-run) runs
+nothing at all. swap refuses an interpreter, a folder above it or a
+site-packages that someone other than root or that user could write
+(swapsafety.path_risk, exit 44), and a server a supervisor would restart
+(collect.target.detect_supervisor, exit 45) unless forced. Before it stops
+anything it writes a script that starts the old command again exactly as it
+ran; SIGINT, SIGTERM or SIGHUP while the old server is down roll back, and
+where the rollback fails the result names what runs and that script.
 
 Secrets are never shown: environment variables whose names look like
 credentials and the values of flags such as ``--api-key`` are printed
@@ -23,14 +35,23 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from wedgectl import exitcodes
-from wedgectl.errors import NoSuchProcess, NotVllm, WedgectlError
+from wedgectl import exitcodes, redact
+from wedgectl.collect import procread
+from wedgectl.collect.target import (
+    Credentials,
+    Supervisor,
+    detect_supervisor,
+    read_command,
+    read_credentials,
+)
+from wedgectl.errors import NoSuchProcess, NotVllm, WedgectlError  # noqa: F401 - NoSuchProcess: read_proc raises it
 from wedgectl.lifecycle import (
     Command,
     Server,
@@ -47,11 +68,20 @@ from wedgectl.plugin import (
     PluginInstallError,
     engine_version,
     ensure_engine_plugin,
+    install_dir,
     installed_version,
+    recorded_version,
+)
+from wedgectl.swapsafety import (
+    SignalGuard,
+    can_append_as,
+    SwapInterrupted,
+    path_risk,
+    restore_script,
+    write_restore_script,
 )
 
-REDACTED = "<redacted>"
-SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSW|CREDENTIAL|AUTH|COOKIE|SESSION", re.IGNORECASE)
+REDACTED = redact.REDACTED
 # Set at run time by the plugin in the old API server; the new one makes its own.
 DROP_ENV = ("WEDGE_ENGINE_STATUS_FILE",)
 STOP_GRACE_S = 15.0
@@ -63,46 +93,32 @@ class SwapError(WedgectlError):
     exit_code = exitcodes.SWAP_FAILED
 
 
+class SwapRefused(SwapError):
+    """Swap will not act: an interpreter others may write (44), or a supervisor (45) without --force."""
+
+    exit_code = exitcodes.SWAP_UNSAFE
+
+
 # ------------------------------------------------------------------ redaction (pure)
 
 
-def is_secret_name(name: str) -> bool:
-    return bool(SECRET_NAME.search(name))
-
-
-def redact_env(env: Mapping[str, str]) -> dict[str, str]:
-    return {k: (REDACTED if is_secret_name(k) and v else v) for k, v in env.items()}
-
-
-def redact_argv(argv: Sequence[str]) -> list[str]:
-    """argv with the values of credential-like flags (--api-key X, --hf-token=X) replaced."""
-    out: list[str] = []
-    hide_next = False
-    for arg in argv:
-        if hide_next:
-            out.append(REDACTED)
-            hide_next = False
-            continue
-        if arg.startswith("--") and is_secret_name(arg.split("=", 1)[0]):
-            if "=" in arg:
-                out.append(arg.split("=", 1)[0] + "=" + REDACTED)
-            else:
-                out.append(arg)
-                hide_next = True
-            continue
-        out.append(arg)
-    return out
+# One rule for all of wedgectl (wedgectl.redact, docs/bundle.md); these names stay for swap's callers.
+is_secret_name = redact.is_secret_name
+redact_env = redact.redact_env
+redact_argv = redact.redact_argv
 
 
 def redact_text(text: str, env: Mapping[str, str], argv: Sequence[str]) -> str:
     """`text` with every secret value of `env` and `argv` replaced (for messages that quote output)."""
-    secrets = [v for k, v in env.items() if is_secret_name(k) and len(v) >= 4]
-    secrets += [a for a, r in zip(argv, redact_argv(argv)) if r != a and len(a) >= 4]
-    secrets += [a.split("=", 1)[1] for a, r in zip(argv, redact_argv(argv))
+    shown_env = redact_env(env)
+    secrets = [v for k, v in env.items() if shown_env[k] != v and len(v) >= 4]
+    shown = redact_argv(argv)
+    secrets += [a for a, r in zip(argv, shown) if r != a and len(a) >= 4]
+    secrets += [a.split("=", 1)[1] for a, r in zip(argv, shown)
                 if r != a and "=" in a and len(a.split("=", 1)[1]) >= 4]
     for s in sorted(set(secrets), key=len, reverse=True):
         text = text.replace(s, REDACTED)
-    return text
+    return redact.redact_text(text)
 
 
 # ------------------------------------------------------------------ the plan
@@ -125,6 +141,10 @@ class SwapPlan:
     plugin: str  # what the interpreter has: "wedgectl-engine 0.2.0", "missing", "0.1.0 (older)"
     plugin_ok: bool
     stop_grace_s: float = STOP_GRACE_S
+    run_as: Credentials = Credentials(0, 0)  # the server's user: its interpreter, pip and restart run as it
+    supervisor: Supervisor | None = None  # what would restart the old server (swap refuses without --force)
+    # pid -> start time when planned (procfs.start_ticks): a pid reused since is never signalled
+    start_ticks: Mapping[int, int] = field(default_factory=dict, repr=False)
 
     @property
     def new_env(self) -> dict[str, str]:
@@ -144,13 +164,16 @@ class SwapPlan:
             "argv": redact_argv(self.argv),
             "cwd": self.cwd,
             "env": redact_env(self.env),
-            "new_env_changes": {k: v for k, v in self.new_env.items() if self.env.get(k) != v},
+            "new_env_changes": redact_env({k: v for k, v in self.new_env.items() if self.env.get(k) != v}),
             "python": self.python,
-            "url": self.url,
+            "url": redact.redact_url(self.url),
             "port": self.port,
             "log": self.log_path,
             "plugin": self.plugin,
             "plugin_ok": self.plugin_ok,
+            "user": {"uid": self.run_as.uid, "gid": self.run_as.gid, "groups": list(self.run_as.groups)},
+            "supervisor": None if self.supervisor is None else
+            {"kind": self.supervisor.kind, "why": self.supervisor.why, "instead": self.supervisor.instead},
         }
 
 
@@ -167,6 +190,10 @@ class SwapResult:
     rolled_back: bool = False
     log_path: str | None = None
     steps: list[str] = field(default_factory=list)
+    interrupted: str | None = None  # the signal that cut the swap short ("SIGTERM"), rolled back where it could
+    restore_script: str | None = None  # kept only when the original could not be brought back
+    t_stop: float | None = field(default=None, repr=False)  # when the old server got SIGTERM
+    server: Server | None = field(default=None, repr=False)  # the server started last, while it is ours to stop
 
     @property
     def url(self) -> str:
@@ -175,28 +202,15 @@ class SwapResult:
     def to_json(self) -> dict[str, Any]:
         return {
             "ok": self.ok, "dry_run": self.dry_run, "message": self.message, "new_pid": self.new_pid,
-            "url": self.plan.url, "downtime_s": self.downtime_s, "stop_s": self.stop_s, "killed": self.killed,
+            "url": redact.redact_url(self.plan.url), "downtime_s": self.downtime_s, "stop_s": self.stop_s, "killed": self.killed,
             "rolled_back": self.rolled_back, "log": self.log_path, "steps": self.steps, "plan": self.plan.to_json(),
+            "interrupted": self.interrupted, "restore_script": self.restore_script,
         }
 
 
 def read_proc(pid: int, proc_root: Path = Path("/proc")) -> tuple[list[str], dict[str, str], str]:
-    """(argv, environment, cwd) of a process, from /proc; NoSuchProcess / SwapError when unreadable."""
-    base = proc_root / str(pid)
-    try:
-        argv = [a.decode(errors="surrogateescape") for a in (base / "cmdline").read_bytes().split(b"\0") if a]
-        raw_env = (base / "environ").read_bytes()
-        cwd = os.readlink(base / "cwd")
-    except FileNotFoundError:
-        raise NoSuchProcess(f"pid {pid}: no such process") from None
-    except PermissionError:
-        raise SwapError(f"pid {pid}: cannot read its environment or cwd (run as its user or root)",
-                        exit_code=exitcodes.PERMISSION) from None
-    env: dict[str, str] = {}
-    for item in raw_env.split(b"\0"):
-        if b"=" in item:
-            k, v = item.split(b"=", 1)
-            env[k.decode(errors="surrogateescape")] = v.decode(errors="surrogateescape")
+    """(argv, environment, cwd) of a process, read bounded by collect.target; NoSuchProcess when gone."""
+    argv, env, cwd = read_command(pid, proc_root)
     if not argv:
         raise SwapError(f"pid {pid} has no command line (a zombie or kernel thread)")
     return argv, env, cwd
@@ -231,15 +245,30 @@ def host_and_port(argv: Sequence[str], base_url: str | None) -> tuple[str, int]:
     return host, port
 
 
-def probe_plugin(python: str, env: Mapping[str, str]) -> tuple[str, bool]:
-    """What the server's interpreter has of the plugin: (description, whether it has this version's fixes)."""
+def probe_plugin(python: str, env: Mapping[str, str], run_as: Credentials | None = None) -> tuple[str, bool]:
+    """What the server's interpreter has of the plugin: (description, whether it has this version's fixes).
+
+    It runs the interpreter, as the server's user: never from a plan (see recorded_plugin).
+    """
     want = engine_version()
     # Asked with the plugin inactive: a fault or fix must not run in the probe.
     probe_env = {k: v for k, v in env.items() if k not in ACTIVE_ENV}
     try:
-        have = installed_version(python, env=probe_env)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        have = installed_version(python, env=probe_env, run_as=run_as)
+    except (OSError, subprocess.SubprocessError) as exc:
         return f"unknown ({type(exc).__name__})", False
+    return _judge(have, want)
+
+
+def recorded_plugin(python: str) -> tuple[str, bool]:
+    """What a plan can say of the plugin without running anything: the dist-info beside the interpreter."""
+    have, where = recorded_version(python)
+    if not have:
+        return f"not found under {where} (asked of the interpreter, as its user, when swapping)", False
+    return _judge(have, engine_version())
+
+
+def _judge(have: str, want: str) -> tuple[str, bool]:
     if not have:
         return "missing", False
     if _version_tuple(have) < _version_tuple(want):
@@ -252,7 +281,8 @@ def _version_tuple(v: str) -> tuple[int, ...]:
 
 
 def plan_swap(pid: int, proc_root: Path = Path("/proc")) -> SwapPlan:
-    """Read the deployment `pid` belongs to and say what a swap would do. Touches nothing."""
+    """Read the deployment `pid` belongs to and say what a swap would do. Touches nothing and runs
+    nothing of the target's; SwapRefused when its interpreter is writable by another user."""
     from wedgectl.discover import discover
     from wedgectl.types import Role
 
@@ -264,41 +294,66 @@ def plan_swap(pid: int, proc_root: Path = Path("/proc")) -> SwapPlan:
     if any(a == "--uds" or a.startswith("--uds=") for a in argv):
         raise SwapError("the server listens on a unix socket (--uds); swap handles TCP servers only")
     python = resolve_interpreter(argv, env, cwd)
+    run_as = read_credentials(api, proc_root)
+    risk = path_risk(python, run_as.uid)
+    if risk:
+        raise SwapRefused(f"refusing to run {python} for pid {api} ({run_as}): {risk}; only root or the "
+                          f"server's user may be able to write its interpreter", exit_code=exitcodes.SWAP_UNSAFE)
     host, port = host_and_port(argv, dep.base_url)
-    plugin, ok = probe_plugin(python, env)
+    plugin, ok = recorded_plugin(python)
     tree = tuple([api, *(p for p, r in dep.roles.items() if p != api and r is not Role.OTHER),
                   *(p for p, r in dep.roles.items() if p != api and r is Role.OTHER)])
     return SwapPlan(api_pid=api, tree=tree, argv=tuple(argv), cwd=cwd, env=env, python=python,
                     url=f"http://{host}:{port}", port=port, host=host, log_path=dep.log_path,
-                    plugin=plugin, plugin_ok=ok)
+                    plugin=plugin, plugin_ok=ok, run_as=run_as, supervisor=detect_supervisor(api, env, proc_root),
+                    start_ticks=dict(dep.start_ticks))
 
 
 # ------------------------------------------------------------------ stopping and starting
 
 
 def start_command(argv: Sequence[str], env: Mapping[str, str], cwd: str, url: str, log_path: str,
-                  health_timeout_s: float) -> tuple[Server, str]:
-    """Start the server detached (it outlives wedgectl), output appended to log_path; wait for /health.
+                  health_timeout_s: float, run_as: Credentials | None = None,
+                  guard: SignalGuard | None = None,
+                  on_start: Callable[[Server], None] = lambda _s: None) -> tuple[Server | None, str]:
+    """Start the server detached (it outlives wedgectl) as `run_as`, output appended to log_path (opened
+    as that user); wait for /health, a wait that `guard`'s signals may cut short (SwapInterrupted).
 
-    (server, "") once healthy; (server, why) when it exited or stayed silent.
+    (server, "") once healthy; (server, why) when it exited or stayed silent; (None, why) when it
+    could not be started at all.
     """
     tmp = env.get("TMPDIR")
-    if tmp:
+    if tmp and (run_as is None or run_as.is_root):
         os.makedirs(tmp, exist_ok=True)  # a launcher may have removed the old server's temp folder
-    server = launch(Command(argv=tuple(argv), env=env, url=url, log_path=Path(log_path), cwd=cwd), owned=False)
     try:
-        wait_healthy(server, health_timeout_s)
+        server = launch(Command(argv=tuple(argv), env=env, url=url, log_path=Path(log_path), cwd=cwd,
+                                run_as=run_as), owned=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"it could not be started ({exc})"
+    on_start(server)
+    if guard is not None:
+        guard.check()
+    try:
+        with guard.interruptible() if guard is not None else contextlib.nullcontext():
+            wait_healthy(server, health_timeout_s)
     except ServerStartError as exc:
         return server, exc.reason
     return server, ""
 
 
 def _new_log_path(plan: SwapPlan) -> str:
-    if plan.log_path:
+    """The old server's log, if its user may append to it; else a new file (in a folder of the user's own)."""
+    if plan.log_path and (not plan.run_as.popen_kwargs or can_append_as(plan.log_path, plan.run_as)):
         return plan.log_path
+    name = f"vllm-{plan.port}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    if plan.run_as.popen_kwargs:
+        # A folder of the user's own: the log is created by the server, as that user.
+        folder = tempfile.mkdtemp(prefix=f"wedgectl-swap-{plan.port}-")
+        os.chown(folder, plan.run_as.uid, plan.run_as.gid)
+        return os.path.join(folder, name)
     from wedgectl.runtime.install import cache_dir
 
-    return str(cache_dir() / "swap" / f"vllm-{plan.port}-{time.strftime('%Y%m%d-%H%M%S')}.log")
+    return str(cache_dir() / "swap" / name)
 
 
 def swap_deployment(
@@ -308,56 +363,169 @@ def swap_deployment(
     health_timeout_s: float = HEALTH_TIMEOUT_S,
     stop_grace_s: float = STOP_GRACE_S,
     plan: SwapPlan | None = None,
+    force: bool = False,
 ) -> SwapResult:
-    """Replace the deployment `pid` belongs to with the same command, fixes on, on the same port."""
+    """Replace the deployment `pid` belongs to with the same command, fixes on, on the same port.
+
+    SwapRefused when a supervisor runs it (unless `force`). A dry run executes
+    nothing of the target's. SIGINT, SIGTERM or SIGHUP while the old server is
+    down roll back: the original command is started again (result.interrupted).
+    """
     plan = plan or plan_swap(pid)
     if stop_grace_s != plan.stop_grace_s:
-        from dataclasses import replace
-
         plan = replace(plan, stop_grace_s=stop_grace_s)
+    if plan.supervisor is not None and not force:
+        raise SwapRefused(f"refusing to swap pid {plan.api_pid}: {plan.supervisor.line}",
+                          exit_code=exitcodes.SWAP_SUPERVISED)
     if dry_run:
         return SwapResult(plan, dry_run=True, ok=True, message="dry run: nothing was touched")
     result = SwapResult(plan, dry_run=False, ok=False, message="")
     say = _Say(progress, result, plan)
-    if not plan.plugin_ok:
-        say(f"plugin in {plan.python}: {plan.plugin}; installing the bundled engine/")
+    if plan.supervisor is not None:
+        say(f"--force: swapping although {plan.supervisor.line}")
+    with SignalGuard() as guard:
         try:
-            ensure_engine_plugin(Path(plan.python), say)
-        except PluginInstallError as exc:
-            raise SwapError(f"cannot install the plugin into {plan.python}: {exc}; nothing was stopped") from None
+            with guard.interruptible():
+                _ensure_plugin(plan, say)
+        except SwapInterrupted as sig:
+            raise SwapError(f"interrupted by {sig} while installing the plugin; nothing was stopped",
+                            exit_code=exitcodes.INTERRUPTED) from None
+        restore = _write_restore(plan, _new_log_path(plan))
+        result.log_path = restore.log_path
+        try:
+            return _replace(plan, result, say, guard, health_timeout_s, restore)
+        except SwapInterrupted as sig:
+            result.interrupted = str(sig)
+            say(f"interrupted by {sig}: rolling back to the original command")
+            return _roll_back(plan, result, say, guard, health_timeout_s, restore, f"interrupted by {sig}")
+        except Exception:
+            say(f"swap stopped by an error; to start the original command again: sh {restore.path}")
+            raise
+        finally:
+            if result.ok or (result.rolled_back and result.restore_script is None):
+                restore.discard()
+
+
+@dataclass(frozen=True)
+class _Restore:
+    """The restore script on disk and where the servers log."""
+
+    path: Path
+    log_path: str
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+
+def _write_restore(plan: SwapPlan, log_path: str) -> _Restore:
+    from wedgectl.runtime.install import cache_dir
+
+    text = restore_script(plan.argv, plan.env, plan.cwd, log_path, plan.run_as)
+    return _Restore(write_restore_script(cache_dir() / "swap", plan.port, text), log_path)
+
+
+def _ensure_plugin(plan: SwapPlan, say: Callable[[str], None]) -> None:
+    """The plugin in the server's interpreter, asked and installed as the server's user."""
+    probe_env = {k: v for k, v in plan.env.items() if k not in ACTIVE_ENV}
+    plugin, ok = (plan.plugin, True) if plan.plugin_ok else probe_plugin(plan.python, plan.env, plan.run_as)
+    if ok:
+        return
+    target = install_dir(plan.python, probe_env, plan.run_as)
+    risk = path_risk(target, plan.run_as.uid) if target else f"{plan.python} did not say where it installs"
+    if risk:
+        raise SwapRefused(f"refusing to install the plugin for pid {plan.api_pid} ({plan.run_as}): {risk}; "
+                          f"nothing was stopped", exit_code=exitcodes.SWAP_UNSAFE)
+    say(f"plugin in {plan.python}: {plugin}; installing the bundled engine/ as {plan.run_as}")
+    try:
+        ensure_engine_plugin(Path(plan.python), say, env=probe_env, run_as=plan.run_as)
+    except PluginInstallError as exc:
+        raise SwapError(f"cannot install the plugin into {plan.python}: {exc}; nothing was stopped") from None
+
+
+def _replace(plan: SwapPlan, result: SwapResult, say: _Say, guard: SignalGuard, health_timeout_s: float,
+             restore: _Restore) -> SwapResult:
+    """Stop the old tree, start the patched command; roll back if it never gets healthy."""
     say(f"stopping pid {plan.api_pid} and its tree (SIGTERM, SIGKILL after {plan.stop_grace_s:g} s)")
-    t_stop = time.monotonic()
-    stopped = stop_tree(plan.api_pid, plan.stop_grace_s, extra=plan.tree)
+    t_stop = result.t_stop = time.monotonic()
+    stopped = stop_tree(plan.api_pid, plan.stop_grace_s, extra=plan.tree, planned=plan.start_ticks)
     result.stop_s, result.killed = stopped.seconds, stopped.killed
+    for refusal in stopped.refused:
+        say(refusal)
     say(f"old server gone after {result.stop_s:.1f} s" + (" (SIGKILL needed)" if result.killed else ""))
-    wait_port_free(plan.host, plan.port, PORT_WAIT_S)
-    log_path = _new_log_path(plan)
-    result.log_path = log_path
+    guard.check()
+    with guard.interruptible():
+        wait_port_free(plan.host, plan.port, PORT_WAIT_S)
     say(f"starting the same command with {', '.join(f'{k}={v}' for k, v in FIXES_ENV.items())} on port {plan.port}")
-    new, why = start_command(plan.argv, plan.new_env, plan.cwd, plan.url, log_path, health_timeout_s)
+    new, why = _start(plan, plan.new_env, result, guard, health_timeout_s)
     if not why:
         result.ok = True
-        result.new_pid = new.pid
+        result.new_pid = new.pid if new else None
         result.downtime_s = round(time.monotonic() - t_stop, 2)
-        result.message = (f"swapped: pid {new.pid} serves {plan.url} with the wedge_engine fixes on "
+        result.message = (f"swapped: pid {result.new_pid} serves {plan.url} with the wedge_engine fixes on "
                           f"(downtime {result.downtime_s:.1f} s)")
         say(result.message)
         return result
     say(f"the patched server did not become healthy: {why}; starting the original command again")
-    stop_server(new, grace=5.0)
-    wait_port_free(plan.host, plan.port, PORT_WAIT_S)
-    original, why_back = start_command(plan.argv, plan.env, plan.cwd, plan.url, log_path, health_timeout_s)
+    return _roll_back(plan, result, say, guard, health_timeout_s, restore,
+                      f"the patched server did not become healthy ({why})")
+
+
+def _start(plan: SwapPlan, env: Mapping[str, str], result: SwapResult, guard: SignalGuard,
+           health_timeout_s: float) -> tuple[Server | None, str]:
+    """start_command, with the server kept on the result as soon as it runs (a signal may come next)."""
+
+    def keep(server: Server) -> None:
+        result.server = server
+
+    return start_command(plan.argv, env, plan.cwd, plan.url, result.log_path or _new_log_path(plan),
+                         health_timeout_s, plan.run_as, guard, on_start=keep)
+
+
+def _roll_back(plan: SwapPlan, result: SwapResult, say: _Say, guard: SignalGuard, health_timeout_s: float,
+               restore: _Restore, cause: str) -> SwapResult:
+    """Stop whatever was started and start the original command again; say exactly what runs if that fails."""
     result.rolled_back = True
-    result.new_pid = original.pid
+    t_stop = result.t_stop or time.monotonic()
+    try:
+        if result.server is not None:
+            stop_server(result.server, grace=5.0)
+            result.server = None
+        if result.stop_s is None:  # the signal came before the old tree was stopped: finish that first
+            stopped = stop_tree(plan.api_pid, plan.stop_grace_s, extra=plan.tree, planned=plan.start_ticks)
+            result.stop_s, result.killed = stopped.seconds, stopped.killed
+        wait_port_free(plan.host, plan.port, PORT_WAIT_S)
+        original, why_back = _start(plan, plan.env, result, guard, health_timeout_s)
+    except SwapInterrupted as sig:
+        original, why_back = result.server, f"interrupted again by {sig} while rolling back"
+    result.new_pid = original.pid if original else None
     if not why_back:
         result.downtime_s = round(time.monotonic() - t_stop, 2)
-        result.message = (f"swap failed: the patched server did not become healthy ({why}); the original "
-                          f"command is running again as pid {original.pid} (downtime {result.downtime_s:.1f} s)")
-    else:
-        result.message = (f"swap failed: the patched server did not become healthy ({why}), and neither did "
-                          f"the original command started again as pid {original.pid} ({why_back}); see {log_path}")
+        result.message = (f"swap failed: {cause}; the original command is running again as pid "
+                          f"{result.new_pid} (downtime {result.downtime_s:.1f} s)")
+        say(result.message)
+        return result
+    result.restore_script = str(restore.path)
+    running = _running_now(plan, original)
+    result.message = (f"swap failed: {cause}, and the original command did not come back ({why_back}); "
+                      + "; ".join(running)
+                      + ("; if it does not answer /health, stop it, then" if original and original.tree_pids() else ";")
+                      + f" to start the original again: sh {restore.path} (log {result.log_path})")
     say(result.message)
     return result
+
+
+def _running_now(plan: SwapPlan, server: Server | None) -> list[str]:
+    """What serves, or holds, the port now: pids and commands, secrets redacted."""
+    lines = []
+    pids = server.tree_pids() if server is not None else ()
+    for pid in pids:
+        try:
+            cmd = " ".join(redact_argv(procread.read_cmdline(pid)))
+        except OSError:
+            continue
+        lines.append(f"running now: pid {pid}: {cmd}")
+    return lines or [f"nothing wedgectl started is running for port {plan.port}"]
 
 
 class _Say:
@@ -369,4 +537,5 @@ class _Say:
     def __call__(self, msg: str) -> None:
         msg = redact_text(msg, self.plan.env, self.plan.argv)
         self.result.steps.append(msg)
-        self.progress(msg)
+        with contextlib.suppress(OSError):  # a terminal gone with SIGHUP must not stop a rollback
+            self.progress(msg)

@@ -29,12 +29,13 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from wedgectl.collect import procfs
+from wedgectl.collect import procfs, procread
 from wedgectl.collect.ebpfhost import (
     BACKENDS, EBPF_BACKENDS, MAX_ENTRIES, Host, bcc_env, bcc_python_path, bpftrace_env, choose_backend,
     detect_backends, disabled_backends, stderr_summary,
 )
 from wedgectl.collect.ebpfbcc import MAX_SEED_TIDS, READY_MARK
+from wedgectl.lifecycle import signal_child
 from wedgectl.probes import ALL_PROBES, DEFAULT_PROBES, load_probe
 from wedgectl.probes._window import Maps, Window, parse_bpftrace_output, rounded
 from wedgectl.types import (
@@ -163,8 +164,8 @@ def python_libraries(pids: Iterable[int], proc_root: Path = PROC) -> list[str]:
     libs: list[str] = []
     for pid in pids:
         found = None
-        try:  # maps is longer than one seq_file page: read it whole
-            text = (proc_root / str(pid) / "maps").read_text(errors="replace")
+        try:  # bounded: maps is read under the target's mmap lock
+            text = procread.read_maps(pid, proc_root)
         except OSError:
             text = ""
         for line in text.splitlines():
@@ -313,13 +314,13 @@ class ProbeRun:
         proc = self._proc
         if proc is not None and proc.poll() is None:
             with contextlib.suppress(OSError):
-                proc.send_signal(signal.SIGINT)
+                signal_child(proc, signal.SIGINT)
             try:
                 proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 clean = False
                 with contextlib.suppress(OSError):
-                    proc.kill()
+                    signal_child(proc, signal.SIGKILL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=5)
         if self._reader is not None:

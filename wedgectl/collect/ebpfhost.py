@@ -3,8 +3,10 @@
 bcc where it can compile (the bcc module and this kernel's headers); else
 bpftrace, which needs only tracepoints; else the /proc reader. Both eBPF
 back-ends need root (or CAP_BPF + CAP_PERFMON) and tracefs with the
-tracepoints; tracefs is mounted once when missing. A Host seam (a root path and
-the tools) lets unit tests run detection on recorded host trees.
+tracepoints. tracefs is mounted once when missing, and only when permitted: by
+root or with CAP_SYS_ADMIN, unless WEDGECTL_NO_MOUNT_TRACEFS is set; a mount
+always says so on stderr. A Host seam (a root path and the tools) lets unit
+tests run detection on recorded host trees.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from wedgectl.collect.procfs import PROC, parse_exec_start
+from wedgectl.lifecycle import run_bounded
 from wedgectl.probes import DEFAULT_PROBES, load_probe
 from wedgectl.types import BackendStatus
 
 BACKENDS = ("bcc", "bpftrace", "procfs")
 EBPF_BACKENDS = ("bcc", "bpftrace")
 DISABLE_ENV = "WEDGECTL_PROBES_DISABLE"  # e.g. "bcc,bpftrace": force the fallback order in tests
+NO_MOUNT_ENV = "WEDGECTL_NO_MOUNT_TRACEFS"  # any value: never mount tracefs, use what is mounted
 MAX_ENTRIES = 4096  # per BPF map
 CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 21, 38, 39
 
@@ -39,7 +43,8 @@ class Host:
     euid: Callable[[], int] = os.geteuid
     release: str = field(default_factory=platform.release)
     cap_eff: Callable[[], int | None] = lambda: _cap_eff()
-    mount_tracefs: bool = True  # try `mount -t tracefs` when it is missing (live hosts only)
+    mount_tracefs: bool = True  # try `mount -t tracefs` when it is missing (live hosts, NO_MOUNT_ENV unset)
+    say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
 
 
 def _cap_eff() -> int | None:
@@ -69,10 +74,17 @@ def ensure_tracefs(host: Host = Host(), timeout: float = 5.0) -> tuple[Path | No
     if found is not None:
         return found, f"tracefs at {found}"
     target = _tracefs_dirs(host)[0]
+    if os.environ.get(NO_MOUNT_ENV):
+        return None, f"tracefs is not mounted at {target} ({NO_MOUNT_ENV} is set: wedgectl does not mount it)"
+    if not _may_mount(host):
+        return None, f"tracefs is not mounted at {target}; mounting it needs root or CAP_SYS_ADMIN"
     if not host.mount_tracefs or host.root != Path("/"):
         return None, f"tracefs is not mounted at {target}"
     if not target.is_dir():
         return None, f"{target} does not exist (kernel without CONFIG_TRACEFS?)"
+    # A mount changes the host for everyone: never silently, and the operator can forbid it.
+    host.say(f"wedgectl: mounting tracefs at {target} for the eBPF probes (it stays mounted; "
+             f"{NO_MOUNT_ENV}=1 prevents this)")
     try:
         r = subprocess.run(["mount", "-t", "tracefs", "nodev", str(target)], capture_output=True, text=True,
                            timeout=timeout)
@@ -82,6 +94,14 @@ def ensure_tracefs(host: Host = Host(), timeout: float = 5.0) -> tuple[Path | No
         why = (r.stderr or r.stdout).strip() or f"exit {r.returncode}"
         return None, f"tracefs is not mounted at {target} and `mount -t tracefs nodev {target}` failed: {why}"
     return target, f"tracefs mounted at {target} by wedgectl"
+
+
+def _may_mount(host: Host) -> bool:
+    """Root, or CAP_SYS_ADMIN: what mount(2) needs. Nobody else gets to try."""
+    caps = host.cap_eff()
+    if caps is not None:
+        return bool(caps >> CAP_SYS_ADMIN & 1)
+    return host.euid() == 0
 
 
 def _privileged(host: Host) -> str | None:
@@ -159,7 +179,7 @@ def check_bcc(host: Host, probes: Sequence[str], tracefs: Path | None, tracefs_w
 
 def _bpftrace_version(path: str) -> str:
     try:
-        r = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=5)
+        r = run_bounded([path, "--version"], capture_output=True, text=True, timeout=5)
         return r.stdout.strip() or r.stderr.strip()
     except (OSError, subprocess.TimeoutExpired):
         return "bpftrace (version unknown)"
@@ -232,8 +252,8 @@ def _trial_bpftrace(path: str, probes: Sequence[str]) -> tuple[bool, str]:
     tps = sorted({tp for n in probes for tp in load_probe(n).TRACEPOINTS})
     text = "".join(f"tracepoint:{tp} /pid == 0/ {{ }}\n" for tp in tps) + "BEGIN { exit(); }\n"
     try:
-        r = subprocess.run([path, "-e", text], capture_output=True, text=True, timeout=20,
-                           env=bpftrace_env())
+        r = run_bounded([path, "-e", text], capture_output=True, text=True, timeout=20,
+                        env=bpftrace_env())
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, str(exc)
     return r.returncode == 0, stderr_summary(r.stderr) or f"exit {r.returncode}"
@@ -242,8 +262,8 @@ def _trial_bpftrace(path: str, probes: Sequence[str]) -> tuple[bool, str]:
 def _trial_bcc(where: Path) -> tuple[bool, str]:
     code = "from bcc import BPF; BPF(text='TRACEPOINT_PROBE(sched, sched_switch) { return 0; }')"
     try:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                           env=bcc_env(where))
+        r = run_bounded([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                        env=bcc_env(where))
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, str(exc)
     return r.returncode == 0, stderr_summary(r.stderr) or f"exit {r.returncode}"

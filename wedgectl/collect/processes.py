@@ -5,15 +5,15 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import psutil
 
-from wedgectl.collect import procfs
+from wedgectl.collect import procfs, procread
 from wedgectl.collect._failures import failure_from_oserror, permission_hint
+from wedgectl.redact import redact_argv
 from wedgectl.types import CollectorFailure, FailureKind, ProcessSample, Role
 
 COLLECTOR = "psutil"
@@ -117,9 +117,27 @@ def _is_mp_child(cmdline: Sequence[str]) -> bool:
     return entry == "-c" and bool(rest) and "multiprocessing" in rest[0]
 
 
+def name_cmdline(
+    pid: int, proc_root: Path = procfs.PROC, timeout: float = procread.READ_TIMEOUT_S
+) -> tuple[str, list[str]]:
+    """(name, argv) of a process, as psutil's name() and cmdline() give them, with the cmdline
+    read bounded (procread.read_cmdline). Raises OSError (TimeoutError included) when unreadable."""
+    stat, failures = procfs.read_process_stat(pid, proc_root)
+    if stat is None:
+        gone = not failures or failures[0].kind is FailureKind.GONE
+        raise (ProcessLookupError if gone else OSError)(failures[0].message if failures else f"pid {pid}: gone")
+    cmdline = procread.read_cmdline(pid, proc_root, timeout)
+    name = stat.comm
+    if len(name) >= _COMM_LEN and cmdline:
+        # comm is cut at 15 characters; psutil takes the full name from argv[0] when it starts so
+        full = os.path.basename(cmdline[0])
+        if full.startswith(name):
+            name = full
+    return name, cmdline
+
+
 def _name_cmdline(proc: psutil.Process) -> tuple[str, list[str]]:
-    with proc.oneshot():
-        return proc.name(), proc.cmdline()
+    return name_cmdline(proc.pid)
 
 
 def looks_like_vllm(proc: psutil.Process, _depth: int = 0) -> bool:
@@ -168,26 +186,89 @@ def role_of(proc: psutil.Process) -> Role:
     return role
 
 
-def process_tree(pid: int) -> list[psutil.Process]:
-    """The whole deployment ``pid`` belongs to: its root (found by walking up while the
-    parent still looks like vLLM) followed by every descendant. [] if ``pid`` is gone."""
+def _title_kind(name: str, cmdline: Sequence[str]) -> str:
+    """The NAME of a 'PREFIX::NAME' title (argv[0] first, then comm), or ''."""
+    tokens = _tokens(cmdline)
+    for text in (tokens[0] if tokens else "", name):
+        m = _TITLE.match(text)
+        if m:
+            return m.group(2)
+    return ""
+
+
+# vLLM's multi-API-server launcher (`vllm serve --api-server-count N`, entrypoints/cli/serve.py
+# run_multi_api_server) stays a `vllm serve` process (or, under a data-parallel supervisor, one titled
+# APIServer_DP<n>) and spawns N API servers that title themselves APIServer_<i>
+# (v1/utils.run_api_server_worker_proc); comm cuts that title to "VLLM::APIServer".
+_LAUNCHED = re.compile(r"^APIServer(_\d+)?$")
+
+
+def launcher_of(proc: psutil.Process) -> psutil.Process | None:
+    """The multi-API-server launcher that spawned ``proc``, when ``proc`` is one of its API servers."""
     try:
-        root = psutil.Process(pid)
+        name, cmdline = _name_cmdline(proc)
+        if not _LAUNCHED.match(_title_kind(name, cmdline)):
+            return None
+        parent = proc.parent()
+        if parent is None or parent.pid <= 1:
+            return None
+        p_name, p_cmdline = _name_cmdline(parent)
     except (psutil.Error, OSError):
-        return []
-    for _ in range(32):
+        return None
+    if classify_role(p_name, p_cmdline) is not Role.API_SERVER or _LAUNCHED.match(_title_kind(p_name, p_cmdline)):
+        return None
+    return parent
+
+
+def deployment_root(pid: int) -> psutil.Process | None:
+    """The API server that owns ``pid`` (or the launcher above it): the root of its deployment.
+
+    From an API server: itself, or vLLM's multi-API-server launcher that
+    spawned it. From an engine core, a worker or a helper: up through parents
+    that are the deployment's own engine cores and workers to the API server
+    above them. A parent that merely looks like vLLM (a supervisor under a
+    path with /vllm/, a `ray::` title) is never climbed into: it is not the
+    deployment, and its subtree holds other servers. Without an API server
+    above, the topmost engine process reached is the root (a headless
+    engine). None if ``pid`` is gone.
+    """
+    try:
+        proc = psutil.Process(pid)
+    except (psutil.Error, OSError):
+        return None
+    for _ in range(8):
+        if role_of(proc) is Role.API_SERVER:
+            return launcher_of(proc) or proc
         try:
-            parent = root.parent()
+            parent = proc.parent()
         except (psutil.Error, OSError):
-            break
-        if parent is None or parent.pid <= 1 or not looks_like_vllm(parent):
-            break
-        root = parent
+            return proc
+        if parent is None or parent.pid <= 1 or role_of(parent) is Role.OTHER:
+            return proc
+        proc = parent
+    return proc
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """The deployment ``pid`` belongs to (see `deployment_root`): its root followed by every
+    descendant. [] if ``pid`` is gone."""
+    root = deployment_root(pid)
+    if root is None:
+        return []
     try:
         descendants = root.children(recursive=True)
     except (psutil.Error, OSError):
         descendants = []
     return [root, *descendants]
+
+
+def api_servers_below(pid: int) -> list[int]:
+    """The deployment roots among the descendants of ``pid`` (what a supervisor runs)."""
+    try:
+        below = psutil.Process(pid).children(recursive=True)
+    except (psutil.Error, OSError):
+        return []
+    return [p.pid for p in below if role_of(p) is Role.API_SERVER and launcher_of(p) is None]
 
 
 # ---------------------------------------------------------------------------
@@ -279,26 +360,6 @@ def _sockets_from_psutil(proc: psutil.Process) -> tuple[tuple[str, ...], int]:
 # sampling
 
 
-def _call_bounded(fn: Callable[[], Any], timeout: float) -> tuple[bool, Any]:
-    """Run fn in a daemon thread; (True, result or exception) or (False, None) after timeout.
-
-    Reading /proc/PID/cmdline takes the target's mmap lock, which a thread
-    stuck in the GPU driver (state D) can hold indefinitely.
-    """
-    box: list[Any] = []
-
-    def run() -> None:
-        try:
-            box.append(fn())
-        except BaseException as exc:  # noqa: BLE001 - handed back to the caller
-            box.append(exc)
-
-    t = threading.Thread(target=run, name="wedgectl-bounded-read", daemon=True)
-    t.start()
-    t.join(timeout)
-    return (True, box[0]) if box else (False, None)
-
-
 def _psutil_failure(exc: BaseException, pid: int, what: str) -> CollectorFailure:
     if isinstance(exc, psutil.NoSuchProcess):  # ZombieProcess too
         return CollectorFailure(COLLECTOR, FailureKind.GONE, f"{what}: process exited", str(pid))
@@ -329,8 +390,10 @@ def sample_process(
         return ProcessSample(pid=pid, ppid=0, role=role, name="", state=""), tuple(failures)
 
     name, cmdline = (stat.comm if stat else ""), ()
-    done, result = _call_bounded(lambda: _name_cmdline(proc), timeout)
-    if not done:
+    try:
+        name, argv = name_cmdline(pid, proc_root, timeout)
+        cmdline = tuple(redact_argv(argv))  # redacted at capture: bundles never hold secrets
+    except TimeoutError:
         failures.append(
             CollectorFailure(
                 COLLECTOR,
@@ -339,10 +402,8 @@ def sample_process(
                 str(pid),
             )
         )
-    elif isinstance(result, BaseException):
-        failures.append(_psutil_failure(result, pid, "name/cmdline"))
-    else:
-        name, cmdline = result[0], tuple(result[1])
+    except OSError as exc:
+        failures.append(_psutil_failure(exc, pid, "name/cmdline"))
 
     rss = None
     try:

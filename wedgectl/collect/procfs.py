@@ -219,6 +219,17 @@ def _read_text(path: Path) -> str:
         return f.read(65536).decode("utf-8", "replace")
 
 
+def start_ticks(pid: int, proc_root: Path = PROC) -> int | None:
+    """When the process started (clock ticks after boot, /proc/PID/stat field 22); None if gone.
+
+    With the pid, it names one process for good: a reused pid starts later.
+    """
+    try:
+        return parse_stat(_read_text(proc_root / str(pid) / "stat")).starttime_ticks
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 @dataclass(frozen=True)
 class ProcessStat:
     """Process-wide figures from /proc/PID/stat, in seconds."""

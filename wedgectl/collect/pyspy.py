@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from wedgectl.collect._failures import permission_hint
+from wedgectl.lifecycle import run_bounded
 from wedgectl.stacks import frame_names  # re-exported: one reading of py-spy frames
 from wedgectl.types import CollectorFailure, FailureKind, StackDump
 
@@ -93,7 +94,7 @@ def dump_stacks(
     native: bool = False,
     nonblocking: bool = True,
     timeout: float = 5.0,
-    runner: Runner = subprocess.run,
+    runner: Runner = run_bounded,
 ) -> StackDump:
     """One `py-spy dump --json` of ``pid`` (only that process: --subprocesses --json prints
     just the parent, so callers dump each pid of the tree).

@@ -7,6 +7,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from wedgectl.redact import redact_url
 from wedgectl.types import FailureKind, MetricsScrape
 
 COLLECTOR = "metrics"
@@ -109,7 +110,7 @@ def scrape_metrics(url: str, timeout: float = 2.0, transport: httpx.BaseTranspor
 
 def _done(url: str, start: float, status: int | None, text: str | None = None, error: str | None = None) -> MetricsScrape:
     return MetricsScrape(
-        t=time.time(), url=url, status=status, text=text, elapsed_s=time.monotonic() - start, error=error
+        t=time.time(), url=redact_url(url), status=status, text=text, elapsed_s=time.monotonic() - start, error=error
     )
 
 

@@ -51,7 +51,7 @@ wedgectl top: a vLLM deployment and its live verdict, refreshed every few second
   s        save an evidence bundle (the window so far) in the save folder
   d        take a Python stack dump now (py-spy --nonblocking: never pauses the target)
   D        take a native stack dump (py-spy --native pauses each process ~50 ms)
-  w        swap the deployment to the patched engine (asks first)
+  w        swap the deployment to the patched engine (shows the plan, asks first)
   [  ]     replaying a bundle: one sample back / forward
   up/down  move in the focused table; tab switches between processes and threads
   ?  h     this help (escape closes it)
@@ -105,20 +105,32 @@ class HelpScreen(ModalScreen[None]):
         yield Static(HELP, id="help")
 
 
+class SwapPlanned(Message):
+    def __init__(self, pid: int, plan: object | None, lines: list[str], refused: str = "") -> None:
+        super().__init__()
+        self.pid, self.plan, self.lines, self.refused = pid, plan, lines, refused
+
+
 class ConfirmSwap(ModalScreen[bool]):
+    """The swap plan, and a key to act on it: nothing happens before `y`."""
+
     BINDINGS = [Binding("y", "answer(True)", "yes"), Binding("n,escape", "answer(False)", "no")]
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, lines: list[str] | None = None, refused: str = "") -> None:
         super().__init__()
-        self.pid = pid
+        self.pid, self.lines, self.refused = pid, lines or [], refused
 
     def compose(self) -> ComposeResult:
-        yield Static(f"Swap pid {self.pid} to the patched engine?\n"
+        plan = "\n".join(self.lines)
+        if self.refused:
+            yield Static(f"{plan}\n\nswap refused: {self.refused}\n\nn / escape: close", id="confirm")
+            return
+        yield Static(f"Swap pid {self.pid} to the patched engine?\n{plan}\n"
                      "The server restarts with the wedge_engine fixes on; requests in flight may fail.\n\n"
                      "y: swap    n: cancel", id="confirm")
 
     def action_answer(self, yes: bool) -> None:
-        self.dismiss(yes)
+        self.dismiss(yes and not self.refused)
 
 
 class PickerScreen(Screen[int]):
@@ -420,17 +432,34 @@ class TopApp(App):
             self.notify("swap needs a process (--pid), not just a URL", severity="warning")
             return
 
-        def answered(yes: bool | None) -> None:
-            if yes:
-                self.notify(f"swapping pid {pid} to the patched engine...")
-                self.swap(pid)
-
-        self.push_screen(ConfirmSwap(pid), answered)
+        self.notify(f"planning the swap of pid {pid}...")
+        self.plan_swap(pid)
 
     @work(thread=True, exclusive=True, group="swap")
-    def swap(self, pid: int) -> None:
+    def plan_swap(self, pid: int) -> None:
+        """Read the plan off the UI thread (it reads /proc; it runs nothing of the target's)."""
         try:
-            text, new_pid, ok = swap_target(pid, lambda m: self.post_message(Notice(m)))
+            plan, lines, refused = swap_plan(pid)
+        except WedgectlError as exc:
+            self.post_message(Notice(f"swap refused: {exc}", "error"))
+            return
+        except Exception as exc:  # noqa: BLE001 - another module's failure is shown, not fatal
+            self.post_message(Notice(f"swap plan failed: {type(exc).__name__}: {exc}", "error"))
+            return
+        self.post_message(SwapPlanned(pid, plan, lines, refused))
+
+    def on_swap_planned(self, msg: SwapPlanned) -> None:
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self.notify(f"swapping pid {msg.pid} to the patched engine...")
+                self.swap(msg.pid, msg.plan)
+
+        self.push_screen(ConfirmSwap(msg.pid, msg.lines, msg.refused), answered)
+
+    @work(thread=True, exclusive=True, group="swap")
+    def swap(self, pid: int, plan: object | None = None) -> None:
+        try:
+            text, new_pid, ok = swap_target(pid, lambda m: self.post_message(Notice(m)), plan=plan)
         except Exception as exc:  # noqa: BLE001 - another module's failure is shown, not fatal
             self.post_message(Notice(f"swap failed: {type(exc).__name__}: {exc}", "error"))
             return
@@ -449,6 +478,22 @@ class TopApp(App):
         if new != self.cursor:
             self.cursor = new
             self.replay()
+
+
+def swap_plan(pid: int) -> tuple[object | None, list[str], str]:
+    """(the plan, its lines, why swap refuses it or ""): what top's `w` shows before it asks."""
+    import importlib
+
+    mod = importlib.import_module("wedgectl.swap")
+    plan_fn = getattr(mod, "plan_swap", None)
+    if plan_fn is None:
+        return None, [], ""
+    from wedgectl.render import render_swap_plan
+
+    plan = plan_fn(pid)
+    supervisor = getattr(plan, "supervisor", None)
+    refused = f"{supervisor.line} (from a shell: wedgectl swap --pid {pid} --force)" if supervisor else ""
+    return plan, list(render_swap_plan(plan)), refused
 
 
 def make_app(source: LiveSource | BundleSource | None, refresh_s: float = DEFAULT_REFRESH_S,

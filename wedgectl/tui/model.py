@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from wedgectl import stacks as stk
 from wedgectl.classify import classify
 from wedgectl.metrics import MetricsParseError, MetricsSnapshot, parse_metrics
+from wedgectl.redact import redact_url
 from wedgectl.types import Bundle, Manifest, ProcessSample, Role, Sample, StackDump, Verdict
 
 # x86_64 numbers of the syscalls a blocked vLLM thread is usually in (/proc/TID/syscall nr).
@@ -345,7 +346,7 @@ def describe_target(manifest: Manifest) -> str:
     if t.pid is not None:
         parts.append(f"pid {t.pid}")
     if t.url:
-        parts.append(t.url)
+        parts.append(redact_url(t.url) or "")  # a bundle from an older writer may hold user:password
     return " ".join(parts) or "(no target)"
 
 

@@ -26,6 +26,7 @@ from wedgectl.classify import classify
 from wedgectl.collect import processes
 from wedgectl.discover import Deployment, base_url_from_listening, discover, listening_of
 from wedgectl.errors import WedgectlError
+from wedgectl.redact import redact_argv, redact_text, redact_url
 from wedgectl.sampler import SamplerOptions, take_sample
 from wedgectl.sources import host_facts, read_log_lines
 from wedgectl.tui.model import Frame, ScrapedSample, build_frame, describe_target
@@ -54,7 +55,8 @@ class LiveSource:
             created=time.time(),
             wedgectl_version=__version__,
             source="live" if deployment.root_pid is not None else "url",
-            target=Target(pid=pid, url=deployment.base_url, log_path=deployment.log_path, pids=deployment.pids),
+            target=Target(pid=pid, url=redact_url(deployment.base_url), log_path=deployment.log_path,
+                          pids=deployment.pids),
             host=host_facts(),
             notes=("captured by wedgectl top",),
         )
@@ -217,12 +219,11 @@ def find_servers(process_iter: Callable[[], object] = psutil.process_iter) -> li
         try:
             if not processes.looks_like_vllm(proc) or processes.role_of(proc) != Role.API_SERVER:
                 continue
-            parent = proc.parent()
-            if parent is not None and processes.role_of(parent) == Role.API_SERVER:
-                continue  # an extra API server process of a deployment already listed
-            cmdline = proc.cmdline()
+            if processes.launcher_of(proc) is not None:
+                continue  # one of a multi-API-server launcher's servers: the launcher is listed
+            cmdline = redact_argv(processes.name_cmdline(proc.pid)[1])  # the picker shows it: secrets never reach the screen
             found.append(ServerInfo(proc.pid, base_url_from_listening(listening_of(proc.pid)),
-                                    _model_of(cmdline), proc.create_time(), " ".join(cmdline)))
+                                    redact_text(_model_of(cmdline)), proc.create_time(), " ".join(cmdline)))
         except (psutil.Error, OSError):
             continue
     return sorted(found, key=lambda s: s.started)
@@ -239,8 +240,8 @@ def swap_available() -> bool:
         return False
 
 
-def swap_target(pid: int, say: Callable[[str], None]) -> tuple[str, int | None, bool]:
-    """Run wedgectl.swap.swap_deployment(pid): (what happened, the new API server pid, ok)."""
+def swap_target(pid: int, say: Callable[[str], None], plan: object | None = None) -> tuple[str, int | None, bool]:
+    """Run wedgectl.swap.swap_deployment(pid) (on the `plan` shown, if any): (what happened, the new API server pid, ok)."""
     mod = importlib.import_module("wedgectl.swap")
     fn = getattr(mod, "swap_deployment", None)
     if fn is None:
@@ -249,7 +250,8 @@ def swap_target(pid: int, say: Callable[[str], None]) -> tuple[str, int | None, 
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         params = {}
-    result = fn(pid, progress=say) if "progress" in params else fn(pid)
+    extra = {"plan": plan} if plan is not None and "plan" in params else {}
+    result = fn(pid, progress=say, **extra) if "progress" in params else fn(pid, **extra)
     new_pid = getattr(result, "new_pid", None) or getattr(result, "pid", None)
     new_pid = new_pid if isinstance(new_pid, int) and not isinstance(new_pid, bool) else None
     ok = bool(getattr(result, "ok", True))

@@ -9,7 +9,6 @@ import atexit
 import functools
 import logging
 import os
-import tempfile
 import threading
 import weakref
 from collections.abc import Callable
@@ -73,7 +72,7 @@ def ensure_status_file(role: str, environ: dict[str, str] | None = None) -> str 
     path = environ.get(status.STATUS_FILE_ENV)
     if path or role != "api":
         return path or None
-    path = os.path.join(tempfile.gettempdir(), f"wedge-engine-{os.getpid()}.status")
+    path = status.default_path(os.getpid())  # a private 0700 directory, not the shared $TMPDIR
     status.create(path)
     environ[status.STATUS_FILE_ENV] = path
     atexit.register(status.remove, path)

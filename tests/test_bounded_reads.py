@@ -1,0 +1,213 @@
+"""Every read of another process and every wait on one is bounded; every signal goes through lifecycle.
+
+A /proc file that blocks (a FIFO in a procfs-root seam stands in for the
+cmdline of a process whose mmap lock a thread in state D holds) returns
+within the bound; a py-spy that does not end after its kill is not waited
+for without a bound; local HTTP ignores proxy variables.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from wedgectl.collect import procread, pyspy
+from wedgectl.collect.processes import name_cmdline, sample_process
+from wedgectl.collect.scrape import probe_health, scrape_metrics
+from wedgectl.lifecycle import TOOL_KILL_WAIT_S, health_client, health_status, run_bounded
+from wedgectl.types import FailureKind, Role
+
+WEDGECTL = Path(__file__).resolve().parents[1] / "wedgectl"
+
+
+def _blocked_proc_root(tmp_path: Path, pid: int) -> Path:
+    """A proc root where `pid`'s stat is real and its cmdline blocks on open (a FIFO with no writer)."""
+    root = tmp_path / "proc"
+    (root / str(pid)).mkdir(parents=True)
+    shutil.copy(f"/proc/{pid}/stat", root / str(pid) / "stat")
+    os.mkfifo(root / str(pid) / "cmdline")
+    return root
+
+
+def _release(path: Path) -> None:
+    """Let the reader blocked on the FIFO at `path` go (it reads EOF), leaving an empty file there."""
+    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # the blocked open() counts as a reader
+    os.unlink(path)
+    path.write_bytes(b"")
+    os.close(fd)
+
+
+def test_a_blocking_cmdline_read_returns_within_its_bound(tmp_path):
+    pid = 999_999_001  # no such process: only the seam's files exist
+    root = tmp_path / "proc"
+    (root / str(pid)).mkdir(parents=True)
+    os.mkfifo(root / str(pid) / "cmdline")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        procread.read_cmdline(pid, root, timeout=0.3)
+    assert time.monotonic() - t0 < 1.5
+    # While that read is stuck, the next of the same process fails at once: no thread piles up.
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="still blocked"):
+        procread.read_cmdline(pid, root, timeout=5)
+    assert time.monotonic() - t0 < 0.2
+    _release(root / str(pid) / "cmdline")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            assert procread.read_cmdline(pid, root, timeout=0.5) == []
+            break
+        except TimeoutError:
+            time.sleep(0.05)
+    else:
+        pytest.fail("the process stayed marked as blocked after its read came back")
+
+
+def test_sampling_a_process_whose_cmdline_blocks_reports_a_timeout(tmp_path):
+    me = os.getpid()
+    root = _blocked_proc_root(tmp_path, me)
+    t0 = time.monotonic()
+    sample, failures = sample_process(psutil.Process(me), Role.OTHER, with_threads=False, proc_root=root, timeout=0.3)
+    assert time.monotonic() - t0 < 2.0
+    assert any(f.kind is FailureKind.TIMEOUT and "cmdline" in f.message for f in failures), failures
+    assert sample.state  # the rest of the sample is there
+    # environ (swap's read) and maps (the /dev/shm record) of that process now fail at once
+    for read in (procread.read_environ, procread.read_maps):
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            read(me, root, timeout=5)
+        assert time.monotonic() - t0 < 0.2
+    _release(root / str(me) / "cmdline")
+
+
+def test_reads_are_capped_in_bytes(tmp_path):
+    pid = 4242
+    d = tmp_path / str(pid)
+    d.mkdir()
+    (d / "cmdline").write_bytes(b"a" * (procread.CMDLINE_CAP * 3))
+    (d / "environ").write_bytes(b"K=" + b"v" * procread.ENVIRON_CAP + b"\0")
+    argv = procread.read_cmdline(pid, tmp_path)
+    assert len("".join(argv)) == procread.CMDLINE_CAP
+    env, cut = procread.read_environ(pid, tmp_path)
+    assert cut
+
+
+def test_name_and_cmdline_read_as_psutil_reads_them():
+    me = psutil.Process()
+    assert name_cmdline(me.pid) == (me.name(), me.cmdline())
+    assert procread.split_cmdline(b"VLLM::EngineCore_DP0 \0") == ["VLLM::EngineCore_DP0", ""]
+    assert procread.split_cmdline(b"VLLM::Worker_TP0 x y") == ["VLLM::Worker_TP0", "x", "y"]
+    assert procread.split_cmdline(b"python\0-m\0vllm\0") == ["python", "-m", "vllm"]
+
+
+def test_mapped_paths_of_a_maps_text():
+    text = ("7f00-7f10 rw-s 00000000 00:1a 12 /dev/shm/psm_1\n"
+            "7f10-7f20 rw-s 00000000 00:1a 13 /dev/shm/psm_2 (deleted)\n"
+            "7f20-7f30 r-xp 00000000 08:01 14 /usr/lib/libc.so.6\n"
+            "7f30-7f40 rw-p 00000000 00:00 0 \n")
+    assert procread.mapped_paths(text, "/dev/shm") == {"/dev/shm/psm_1"}
+
+
+# ------------------------------------------------------------------ py-spy's wait after the kill
+
+
+class _Unending:
+    """A Popen whose child never ends, even after SIGKILL (py-spy stuck in the kernel on a target in D)."""
+
+    def __init__(self, stand_in: subprocess.Popen) -> None:
+        self.pid, self.stdout, self.stderr, self.returncode = stand_in.pid, None, None, None
+
+    def communicate(self, timeout: float | None = None):
+        time.sleep(timeout or 0)
+        raise subprocess.TimeoutExpired("py-spy", timeout)
+
+    def poll(self) -> None:
+        return None
+
+
+def test_a_pyspy_that_never_ends_after_its_kill_is_not_waited_for():
+    stand_in = subprocess.Popen(["sleep", "60"])  # receives the (real) SIGKILL
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(subprocess.TimeoutExpired):
+            run_bounded(["py-spy"], timeout=0.3, popen=lambda *a, **k: _Unending(stand_in))
+        assert time.monotonic() - t0 < 0.3 + TOOL_KILL_WAIT_S + 1.0
+        assert stand_in.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        if stand_in.poll() is None:
+            stand_in.kill()
+            stand_in.wait()
+
+
+def test_a_pyspy_past_its_timeout_is_killed_and_reported(monkeypatch, tmp_path):
+    slow = tmp_path / "py-spy"
+    slow.write_text("#!/bin/sh\nsleep 30 &\nexec sleep 30\n")  # a grandchild keeps its pipes open
+    slow.chmod(0o755)
+    monkeypatch.setattr(pyspy, "find_pyspy", lambda: str(slow))
+    t0 = time.monotonic()
+    dump = pyspy.dump_stacks(os.getpid(), timeout=0.5)
+    assert time.monotonic() - t0 < 0.5 + TOOL_KILL_WAIT_S + 1.5
+    assert dump.error is not None and dump.error.startswith(FailureKind.TIMEOUT.value)
+
+
+# ------------------------------------------------------------------ signals
+
+
+def test_only_lifecycle_sends_signals():
+    """Every signal goes through lifecycle.send_signal: nothing else in wedgectl/ calls the kill primitives."""
+    primitives = ("os.kill(", "os.killpg(", ".send_signal(", ".terminate(", ".kill(", "pidfd_send_signal(")
+    offenders = []
+    for path in WEDGECTL.rglob("*.py"):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if any(k in code for k in primitives):
+                offenders.append(f"{path.relative_to(WEDGECTL)}:{n}: {line.strip()}")
+    senders = [o for o in offenders if o.startswith("lifecycle.py:")]
+    assert [o for o in offenders if o not in senders] == []
+    # lifecycle.send_signal itself: the pidfd, the pid without one, and the process group
+    assert len(senders) == 3 and all(("os.kill" in o or "pidfd_send_signal" in o) for o in senders), senders
+
+
+# ------------------------------------------------------------------ local HTTP and proxies
+
+
+class _Local(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        body = b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_local_http_ignores_proxy_variables(monkeypatch):
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Local)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    dead = "http://127.0.0.1:9"  # nothing listens: a client that took the proxy would fail
+    for name in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, dead)
+    monkeypatch.setenv("NO_PROXY", "")
+    monkeypatch.setenv("no_proxy", "")
+    try:
+        assert scrape_metrics(f"{url}/metrics").error is None
+        assert probe_health(url)[0] == 200
+        with health_client() as client:
+            assert health_status(client, url) == 200
+    finally:
+        srv.shutdown()
+        srv.server_close()
+

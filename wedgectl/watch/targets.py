@@ -1,0 +1,243 @@
+"""The deployments `watch` looks at: found by pid, URL or on the whole host, each named stably and sampled."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+from urllib.parse import urlsplit
+
+import httpx
+import psutil
+
+from wedgectl import __version__
+from wedgectl.collect import procread
+from wedgectl.collect import procfs
+from wedgectl.collect.scrape import scrape_metrics
+from wedgectl.discover import Deployment, discover, tree_roles
+from wedgectl.errors import WedgectlError
+from wedgectl.metrics import MetricsParseError, parse_metrics
+from wedgectl.sampler import SamplerOptions, take_sample
+from wedgectl.sources import host_facts, read_log_lines
+from wedgectl.tui.source import find_servers
+from wedgectl.types import Bundle, CollectorFailure, FailureKind, Manifest, ProcessSample, Sample, Target
+
+KEEP_S = 120.0  # evidence kept per target: the "before" of an onset bundle
+CLASSIFY_S = 30.0  # the verdict rests on the last 30 s: longer than any rule's frozen threshold
+MIN_CLASSIFY = 3  # samples, whatever the cadence: counter deltas need a few
+LIVE_LOG_BYTES = 256 << 10  # the verdict reads the log's tail; an onset bundle gets 4 MiB
+BUNDLE_LOG_BYTES = 4 << 20
+LOG_EVERY_S = 30.0  # re-read the log tail this often while healthy; every tick when escalated
+ROLES_EVERY_S = 60.0  # cheap ticks walk the process tree again this often
+_LOOPBACK = {"127.0.0.1", "::1", "localhost", "0.0.0.0", "::", ""}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What the operator named: a pid, a URL, or (both None) a deployment found on the host."""
+
+    pid: int | None = None
+    url: str | None = None
+
+
+def node_name() -> str:
+    """The pod's name in Kubernetes (POD_NAME from the downward API, else HOSTNAME), else the host's."""
+    return os.environ.get("POD_NAME") or os.environ.get("HOSTNAME") or socket.gethostname()
+
+
+def served_model(cmdline: list[str] | tuple[str, ...]) -> str | None:
+    """--served-model-name, else the model `serve` was given (its last path part)."""
+    args = list(cmdline)
+    for i, arg in enumerate(args):
+        if arg == "--served-model-name" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--served-model-name="):
+            return arg.split("=", 1)[1]
+    for i, arg in enumerate(args):
+        if arg in ("serve", "--model") and i + 1 < len(args) and not args[i + 1].startswith("-"):
+            return os.path.basename(args[i + 1].rstrip("/")) or None
+    return None
+
+
+def model_from_metrics(sample: Sample) -> str | None:
+    """The model_name label vLLM puts on its series."""
+    if sample.metrics is None or not sample.metrics.ok:
+        return None
+    try:
+        snap = parse_metrics(sample.metrics.text or "")
+    except MetricsParseError:
+        return None
+    for rows in snap.samples.values():
+        for labels, _ in rows:
+            if labels.get("model_name"):
+                return labels["model_name"]
+    return None
+
+
+def target_name(node: str, base_url: str | None, model: str | None, pid: int | None = None) -> str:
+    """'NODE:PORT/MODEL': stable across restarts of the same server, readable in an alert. A URL on
+    another host keeps that host's name instead of ours."""
+    host, port = node, None
+    if base_url:
+        parts = urlsplit(base_url)
+        port = parts.port
+        if parts.hostname and parts.hostname not in _LOOPBACK:
+            host = parts.hostname
+    where = f"{host}:{port}" if port else (f"{host}:pid{pid}" if pid else host)
+    return f"{where}/{model or 'unknown'}"
+
+
+def host_deployments() -> list[int]:
+    """The API server pid of every vLLM deployment on this host (or in this pod), oldest first."""
+    return [s.pid for s in find_servers()]
+
+
+class KeptTransport(httpx.BaseTransport):
+    """One HTTP transport for every scrape of a target: building one per scrape loads the CA store
+    each time (most of a cheap tick's CPU), and a kept-alive connection saves the handshake."""
+
+    def __init__(self) -> None:
+        self._inner = httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        return self._inner.handle_request(request)
+
+    def close(self) -> None:
+        pass  # each scrape's client closes its transport; this one outlives them
+
+    def shut(self) -> None:
+        self._inner.close()
+
+
+class Watched:
+    """One deployment under watch: its rolling window of samples and the log tail. Its sample()
+    blocks (HTTP, /proc, py-spy, each bounded); the daemon calls it from a worker thread."""
+
+    def __init__(self, spec: Spec, deployment: Deployment, node: str) -> None:
+        self.spec = spec
+        self.deployment = deployment
+        self.node = node
+        self.samples: deque[Sample] = deque()
+        self.model: str | None = None
+        self.name = target_name(node, deployment.base_url, None, deployment.root_pid)
+        self._log: tuple[str, ...] = ()
+        self._log_read = 0.0
+        self._roles_read = time.monotonic()  # discover() just walked the tree
+        self._transport = KeptTransport()
+        if deployment.api_pid is not None:
+            try:
+                self.model = served_model(procread.read_cmdline(deployment.api_pid))
+            except (psutil.Error, OSError):
+                pass
+        if self.model:
+            self.name = target_name(node, deployment.base_url, self.model, deployment.root_pid)
+
+    @classmethod
+    def connect(cls, spec: Spec, node: str) -> Watched:
+        """discover(); raises NoSuchProcess / NotVllm like diagnose does."""
+        return cls(spec, discover(pid=spec.pid, url=spec.url), node)
+
+    @property
+    def pid(self) -> int | None:
+        return self.deployment.root_pid
+
+    @property
+    def alive(self) -> bool:
+        """False once a pid-watched deployment's root process is gone (a URL is always watched)."""
+        pid = self.deployment.root_pid
+        if pid is None:
+            return True
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def manifest(self, note: str) -> Manifest:
+        d = self.deployment
+        return Manifest(created=time.time(), wedgectl_version=__version__,
+                        source="live" if d.root_pid is not None else "url",
+                        target=Target(pid=d.root_pid, url=d.base_url, log_path=d.log_path, pids=d.pids),
+                        host=host_facts(), notes=(note,))
+
+    def sample(self, full: bool, stacks: bool, options: SamplerOptions) -> Sample:
+        """Take one sample and keep it: cheap (one /metrics scrape and each process's CPU), or full
+        (the sampler's: /health, every process and thread, sockets, and when asked a py-spy dump of each)."""
+        if self.deployment.metrics_url is None and self.spec.pid is not None:
+            self._rediscover()  # the API server was not listening yet
+        if full:
+            s = take_sample(self.deployment, with_stacks=stacks, options=options)
+            self._roles_read = 0.0  # the tree may have changed: walk it again at the next cheap tick
+        else:
+            s = self._cheap_sample(options)
+        if self.model is None:
+            self.model = model_from_metrics(s)
+            if self.model and not self.samples:  # named before its first evaluation, never after
+                self.name = target_name(self.node, self.deployment.base_url, self.model, self.deployment.root_pid)
+        self.samples.append(s)
+        while self.samples and s.t - self.samples[0].t > KEEP_S:
+            self.samples.popleft()
+        return s
+
+    def _cheap_sample(self, options: SamplerOptions) -> Sample:
+        """/metrics and /proc/PID/stat of the processes known: what a healthy server costs us. The
+        process tree is walked again every ROLES_EVERY_S; a process gone from it shows as missing."""
+        d = self.deployment
+        t = time.time()
+        failures: list[CollectorFailure] = []
+        if d.root_pid is not None and time.monotonic() - self._roles_read > ROLES_EVERY_S:
+            self.deployment = d = replace(d, roles=tree_roles(d.root_pid) or d.roles)
+            self._roles_read = time.monotonic()
+        procs = []
+        for pid, role in d.roles.items():
+            stat, fails = procfs.read_process_stat(pid)
+            if stat is None or stat.state in ("Z", "X"):
+                failures.extend(f for f in fails if f.kind is not FailureKind.GONE)
+                continue
+            procs.append(ProcessSample(pid=pid, ppid=stat.ppid, role=role, name=stat.comm, state=stat.state,
+                                       cpu_user_s=stat.utime_s, cpu_system_s=stat.stime_s, num_threads=stat.num_threads))
+        metrics = scrape_metrics(d.metrics_url, options.scrape_timeout_s, self._transport) if d.metrics_url else None
+        if metrics is not None and not metrics.ok:
+            failures.append(CollectorFailure("metrics", FailureKind.UNREACHABLE, metrics.error or f"HTTP {metrics.status}",
+                                             d.metrics_url or ""))
+        return Sample(t=t, metrics=metrics, processes=tuple(procs), failures=tuple(failures))
+
+    def close(self) -> None:
+        self._transport.shut()
+
+    def _rediscover(self) -> None:
+        try:
+            self.deployment = discover(pid=self.spec.pid or self.deployment.root_pid, url=self.spec.url)
+        except WedgectlError:
+            return
+
+    def log_tail(self, fresh: bool = False, max_bytes: int = LIVE_LOG_BYTES) -> tuple[str, ...]:
+        """The server log's tail, re-read at most every LOG_EVERY_S unless fresh."""
+        path = self.deployment.log_path
+        if not path:
+            return ()
+        if not fresh and max_bytes == LIVE_LOG_BYTES and time.monotonic() - self._log_read < LOG_EVERY_S:
+            return self._log
+        try:
+            lines = read_log_lines(path, max_bytes=max_bytes)[0]
+        except WedgectlError:
+            lines = ()
+        if max_bytes == LIVE_LOG_BYTES:
+            self._log, self._log_read = lines, time.monotonic()
+        return lines
+
+    def window(self) -> tuple[Sample, ...]:
+        """The samples the verdict rests on: the last CLASSIFY_S, and at least MIN_CLASSIFY."""
+        if not self.samples:
+            return ()
+        end = self.samples[-1].t
+        recent = [s for s in self.samples if end - s.t <= CLASSIFY_S]
+        if len(recent) < MIN_CLASSIFY:
+            recent = list(self.samples)[-MIN_CLASSIFY:]
+        return tuple(recent)
+
+    def bundle(self, note: str, full_window: bool = True, log_bytes: int = LIVE_LOG_BYTES,
+               fresh_log: bool = False) -> Bundle:
+        samples = tuple(self.samples) if full_window else self.window()
+        return Bundle(self.manifest(note), samples, self.log_tail(fresh_log, log_bytes))
