@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.server
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -159,6 +160,13 @@ def test_a_pyspy_past_its_timeout_is_killed_and_reported(monkeypatch, tmp_path):
     assert dump.error is not None and dump.error.startswith(FailureKind.TIMEOUT.value)
 
 
+def test_a_timeout_keeps_the_output_read_before_the_kill():
+    """The runtime install logs what pip printed before its step ran out of time (stderr merged)."""
+    with pytest.raises(subprocess.TimeoutExpired) as caught:
+        run_bounded(["/bin/sh", "-c", "echo half; echo err >&2; exec sleep 60"], timeout=2, stderr=subprocess.STDOUT)
+    assert caught.value.output.split() == ["half", "err"]
+
+
 # ------------------------------------------------------------------ signals
 
 
@@ -175,6 +183,17 @@ def test_only_lifecycle_sends_signals():
     assert [o for o in offenders if o not in senders] == []
     # lifecycle.send_signal itself: the pidfd, the pid without one, and the process group
     assert len(senders) == 3 and all(("os.kill" in o or "pidfd_send_signal" in o) for o in senders), senders
+
+
+def test_only_the_collectors_and_lifecycle_touch_a_process():
+    """psutil, subprocess, os.kill and /proc paths appear only in collect/, lifecycle.py, the probes
+    (run as tools) and the two scripts that run inside the server's python."""
+    allowed = ("collect/", "probes/", "lifecycle.py", "runtime/_serve.py", "runtime/_make_model.py")
+    touches = re.compile(r"^\s*(import|from) (subprocess|psutil)\b|\bos\.kill|[\"']/proc\b")
+    offenders = [f"{rel}:{n}: {line.strip()}" for path in WEDGECTL.rglob("*.py")
+                 if not (rel := path.relative_to(WEDGECTL).as_posix()).startswith(allowed)
+                 for n, line in enumerate(path.read_text().splitlines(), 1) if touches.search(line.split("#", 1)[0])]
+    assert offenders == []
 
 
 # ------------------------------------------------------------------ local HTTP and proxies

@@ -15,17 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
-
+from wedgectl.collect.processes import is_alive
 from wedgectl.lifecycle import health_client
 from wedgectl.repro import Workload, load_config, scrape_snapshot
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def main(argv: list[str]) -> int:
@@ -36,7 +28,7 @@ def main(argv: list[str]) -> int:
     workload.start_now()
     deadline = time.monotonic() + hold_s
     with health_client() as client:
-        while time.monotonic() < deadline and _alive(pid):
+        while time.monotonic() < deadline and is_alive(pid):
             snap = scrape_snapshot(client, url)
             if snap is not None:
                 workload.start_later(snap.generation_tokens or 0)

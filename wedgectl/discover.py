@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import psutil
-
-from wedgectl.collect import processes, procfs, procread
+from wedgectl.collect import processes, procfs
 from wedgectl.collect.scrape import metrics_url_for
 from wedgectl.errors import NoSuchProcess, NotVllm
 from wedgectl.redact import redact_argv
@@ -59,67 +55,19 @@ def base_url_from_listening(listening: tuple[str, ...]) -> str | None:
     return normalise_url(metrics_url_for(addr)) if addr else None
 
 
-def log_path_of(pid: int, proc_root: Path = Path("/proc")) -> str | None:
-    """The regular file the process's stdout or stderr goes to: the server log, if redirected."""
-    for fd in (2, 1):
-        try:
-            target = os.readlink(proc_root / str(pid) / "fd" / str(fd))
-        except OSError:
-            continue
-        if target.startswith("/") and not target.startswith(("/dev/", "/proc/")) and os.path.isfile(target):
-            return target
-    return None
-
-
-def port_from_cmdline(cmdline: list[str]) -> int:
-    """vLLM's --port (default 8000)."""
-    for i, arg in enumerate(cmdline):
-        if arg == "--port" and i + 1 < len(cmdline) and cmdline[i + 1].isdigit():
-            return int(cmdline[i + 1])
-        if arg.startswith("--port=") and arg[7:].isdigit():
-            return int(arg[7:])
-    return 8000
-
-
-def listening_of(pid: int, proc_root: Path = Path("/proc")) -> tuple[str, ...]:
-    """The API server's LISTEN addresses: from its own socket fds, or, where those are not
-    readable (no CAP_SYS_PTRACE), the LISTEN sockets of the netns on the port its cmdline names."""
-    try:
-        listening, _ = processes.sockets_from_procfs(pid, proc_root)
-        return listening
-    except OSError:
-        pass
-    try:
-        port = port_from_cmdline(procread.read_cmdline(pid, proc_root))
-    except OSError:
-        return ()
-    found = []
-    for name in ("tcp", "tcp6"):
-        try:
-            text = (proc_root / str(pid) / "net" / name).read_text()
-        except OSError:
-            continue
-        for e in processes.parse_proc_net_tcp(text):
-            if e.state == processes.TCP_LISTEN and e.local.rsplit(":", 1)[-1] == str(port):
-                found.append(e.local)
-    return tuple(sorted(found))
-
-
 def discover(pid: int | None = None, url: str | None = None) -> Deployment:
     """Resolve the target. NoSuchProcess / NotVllm for a bad pid; a URL alone is metrics-only."""
     if pid is None:
         base = normalise_url(url or "")
         return Deployment(None, None, {}, base, metrics_url_for(base))
-    if pid <= 0 or not psutil.pid_exists(pid):
-        raise NoSuchProcess(f"pid {pid}: no such process")
     try:
-        target = psutil.Process(pid)
-        is_vllm = processes.looks_like_vllm(target)
-        name, argv = processes.name_cmdline(pid)
-        what = " ".join(redact_argv(argv))[:60] or name  # redacted before it is cut
-    except (psutil.Error, OSError):
+        found = processes.identify(pid)
+    except processes.ProcessGone:
         raise NoSuchProcess(f"pid {pid}: exited before it could be read") from None
-    if not is_vllm:
+    if found is None:
+        raise NoSuchProcess(f"pid {pid}: no such process")
+    if not found.vllm:
+        what = " ".join(redact_argv(list(found.argv)))[:60] or found.name  # redacted before it is cut
         # The pid itself must be part of vLLM: its children being vLLM (pid 1, a shell) is not enough.
         raise NotVllm(f"pid {pid} is not part of a vLLM deployment ({what})")
     tree = processes.process_tree(pid)
@@ -136,7 +84,7 @@ def discover(pid: int | None = None, url: str | None = None) -> Deployment:
     api = next((p for p, r in roles.items() if r == Role.API_SERVER), None)
     listening: tuple[str, ...] = ()
     if api is not None:
-        listening = listening_of(api)
+        listening = processes.listening_of(api)
     base = normalise_url(url) if url else base_url_from_listening(listening)
-    log = log_path_of(api) if api is not None else None
+    log = processes.log_path_of(api) if api is not None else None
     return Deployment(tree[0].pid, api, roles, base, metrics_url_for(base) if base else None, log, ticks)

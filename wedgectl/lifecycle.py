@@ -21,6 +21,8 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+# Re-exported for run_bounded's callers, so that only this module and collect/ import subprocess.
+from subprocess import DEVNULL, STDOUT, CompletedProcess, SubprocessError, TimeoutExpired
 from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
@@ -360,26 +362,32 @@ def signal_child(popen: subprocess.Popen, sig: int) -> Delivery:
     return send_signal(Planned.now(popen.pid), sig)
 
 
-def run_bounded(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None, stdin: int | None = None,
+def run_bounded(cmd: list[str], *, timeout: float, env: Mapping[str, str] | None = None, stdin: int | None = None,
+                stderr: int = subprocess.PIPE, cwd: str | None = None, user: int | None = None,
+                group: int | None = None, extra_groups: list[int] | None = None,
                 popen: Callable[..., subprocess.Popen] = subprocess.Popen, kill_wait: float = TOOL_KILL_WAIT_S,
-                **_run_kwargs: Any) -> subprocess.CompletedProcess[str]:
+                **_run_kwargs: Any) -> CompletedProcess[str]:
     """subprocess.run(cmd, capture_output=True, text=True, timeout=...), whose wait after the kill is
     bounded too (`kill_wait`): a tool reading a target in state D (py-spy, bpftrace) can itself block
-    in the kernel, and subprocess.run waits for a killed child without a bound. Raises
-    subprocess.TimeoutExpired; a child that outlives `kill_wait` is left to the kernel."""
-    proc = popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, stdin=stdin)
+    in the kernel, and subprocess.run waits for a killed child without a bound. `user`, `group` and
+    `extra_groups` run it as the target's user (`Credentials.popen_kwargs`); `stderr=STDOUT` merges
+    the streams. Raises TimeoutExpired with the output read before the kill; a child that outlives
+    `kill_wait` is left to the kernel."""
+    proc = popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, stdin=stdin, cwd=cwd,
+                 user=user, group=group, extra_groups=extra_groups)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         signal_child(proc, signal.SIGKILL)
+        out = err = None
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.communicate(timeout=kill_wait)
+            out, err = proc.communicate(timeout=kill_wait)
         for pipe in (proc.stdout, proc.stderr):
             if pipe is not None:
                 with contextlib.suppress(OSError):
                     pipe.close()
-        raise subprocess.TimeoutExpired(cmd, timeout) from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        raise TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    return CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def stop_tree(

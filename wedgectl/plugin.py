@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
 import tempfile
 import tomllib
 from collections.abc import Callable, Iterator
@@ -22,6 +21,7 @@ from pathlib import Path
 from wedgectl import exitcodes
 from wedgectl.collect.target import Credentials
 from wedgectl.errors import WedgectlError
+from wedgectl.lifecycle import TimeoutExpired, run_bounded
 
 DISTRIBUTION = "wedgectl-engine"
 SOURCE_PACKAGE = "wedgectl._engine"
@@ -105,9 +105,9 @@ def installed_version(python: str | os.PathLike[str], env: dict[str, str] | None
                       run_as: Credentials | None = None) -> str:
     """The plugin version `python`'s environment has; "" when none. OSError or TimeoutExpired when
     the interpreter cannot be asked. `run_as`: the server's user, so its code never runs as root."""
-    r = subprocess.run(
+    r = run_bounded(
         [str(python), "-c", f"import importlib.metadata as m; print(m.version({DISTRIBUTION!r}))"],
-        capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=env, **_as(run_as),
+        timeout=PROBE_TIMEOUT_S, env=env, **_as(run_as),
     )
     return r.stdout.strip() if r.returncode == 0 else ""
 
@@ -116,9 +116,9 @@ def install_dir(python: str | os.PathLike[str], env: dict[str, str] | None = Non
                 run_as: Credentials | None = None) -> str:
     """Where pip would install into `python`'s environment (its purelib); "" when it cannot be asked."""
     try:
-        r = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                           capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=env, **_as(run_as))
-    except (OSError, subprocess.TimeoutExpired):
+        r = run_bounded([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                        timeout=PROBE_TIMEOUT_S, env=env, **_as(run_as))
+    except (OSError, TimeoutExpired):
         return ""
     return r.stdout.strip() if r.returncode == 0 else ""
 
@@ -182,12 +182,12 @@ def ensure_engine_plugin(python: Path, progress: Callable[[str], None], env: dic
         if run_as is not None and run_as.popen_kwargs:
             _hand_over(Path(tmp), run_as)  # pip, as the server's user, writes build/ beside the copy
         try:
-            r = subprocess.run(
+            r = run_bounded(
                 [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-cache-dir", "--force-reinstall",
                  str(build)],
-                capture_output=True, text=True, timeout=PIP_TIMEOUT_S, env=env, **_as(run_as),
+                timeout=PIP_TIMEOUT_S, env=env, **_as(run_as),
             )
-        except subprocess.TimeoutExpired:
+        except TimeoutExpired:
             raise PluginInstallError(f"pip did not install the engine plugin within {PIP_TIMEOUT_S} s") from None
     if r.returncode != 0:
         raise PluginInstallError(f"pip could not install the engine plugin: {r.stderr.strip().splitlines()[-1:]}")

@@ -11,8 +11,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-import psutil
-
 from wedgectl import __version__
 from wedgectl.classify import classify
 from wedgectl.collect import processes, pyspy
@@ -55,19 +53,7 @@ class SamplerOptions:
 
 
 def _collect_processes(dep: Deployment) -> tuple[tuple[ProcessSample, ...], list[CollectorFailure]]:
-    failures: list[CollectorFailure] = []
-    out = []
-    roles = tree_roles(dep.root_pid) if dep.root_pid is not None else {}
-    for proc in (psutil.Process(p) for p in roles if psutil.pid_exists(p)):
-        try:
-            sample, fails = processes.sample_process(proc, roles[proc.pid])
-        except psutil.Error:
-            failures.append(CollectorFailure("psutil", FailureKind.GONE, "exited mid-capture", str(proc.pid)))
-            continue
-        failures.extend(fails)
-        if sample.state and sample.state not in ("Z", "X"):  # a zombie has exited; only its parent's wait is missing
-            out.append(sample)
-    return tuple(out), failures
+    return processes.sample_roles(tree_roles(dep.root_pid) if dep.root_pid is not None else {})
 
 
 def _dump_burst(pid: int, native: bool, repeats: int) -> list[StackDump]:

@@ -34,7 +34,6 @@ import contextlib
 import os
 import re
 import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -56,6 +55,7 @@ from wedgectl.lifecycle import (
     Command,
     Server,
     ServerStartError,
+    SubprocessError,
     launch,
     stop_server,
     stop_tree,
@@ -208,7 +208,7 @@ class SwapResult:
         }
 
 
-def read_proc(pid: int, proc_root: Path = Path("/proc")) -> tuple[list[str], dict[str, str], str]:
+def read_proc(pid: int, proc_root: Path = procread.PROC) -> tuple[list[str], dict[str, str], str]:
     """(argv, environment, cwd) of a process, read bounded by collect.target; NoSuchProcess when gone."""
     argv, env, cwd = read_command(pid, proc_root)
     if not argv:
@@ -231,7 +231,7 @@ def resolve_interpreter(argv: Sequence[str], env: Mapping[str, str], cwd: str) -
 def host_and_port(argv: Sequence[str], base_url: str | None) -> tuple[str, int]:
     """Where to reach the server: its --host (a wildcard means this host) and the port it listens on
     (from its LISTEN socket when known, else --port, else vLLM's 8000)."""
-    from wedgectl.discover import port_from_cmdline
+    from wedgectl.collect.processes import port_from_cmdline
 
     host = "127.0.0.1"
     for i, arg in enumerate(argv):
@@ -255,7 +255,7 @@ def probe_plugin(python: str, env: Mapping[str, str], run_as: Credentials | None
     probe_env = {k: v for k, v in env.items() if k not in ACTIVE_ENV}
     try:
         have = installed_version(python, env=probe_env, run_as=run_as)
-    except (OSError, subprocess.SubprocessError) as exc:
+    except (OSError, SubprocessError) as exc:
         return f"unknown ({type(exc).__name__})", False
     return _judge(have, want)
 
@@ -280,7 +280,7 @@ def _version_tuple(v: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", v)[:3]) or (0,)
 
 
-def plan_swap(pid: int, proc_root: Path = Path("/proc")) -> SwapPlan:
+def plan_swap(pid: int, proc_root: Path = procread.PROC) -> SwapPlan:
     """Read the deployment `pid` belongs to and say what a swap would do. Touches nothing and runs
     nothing of the target's; SwapRefused when its interpreter is writable by another user."""
     from wedgectl.discover import discover
@@ -328,7 +328,7 @@ def start_command(argv: Sequence[str], env: Mapping[str, str], cwd: str, url: st
     try:
         server = launch(Command(argv=tuple(argv), env=env, url=url, log_path=Path(log_path), cwd=cwd,
                                 run_as=run_as), owned=False)
-    except (OSError, subprocess.SubprocessError) as exc:
+    except (OSError, SubprocessError) as exc:
         return None, f"it could not be started ({exc})"
     on_start(server)
     if guard is not None:

@@ -16,7 +16,6 @@ import pwd
 import shlex
 import signal
 import stat
-import subprocess
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -25,6 +24,7 @@ from types import FrameType
 from typing import Any
 
 from wedgectl.collect.target import Credentials
+from wedgectl.lifecycle import DEVNULL, SubprocessError, run_bounded
 
 SETPRIV = "setpriv"
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -83,10 +83,9 @@ def can_append_as(path: str, run_as: Credentials, timeout_s: float = 10.0) -> bo
     """Whether `run_as` may append to (or create) `path`: asked of a shell run as that user, so root
     never opens a file the user chose."""
     try:
-        return subprocess.run(["/bin/sh", "-c", ': >>"$0"', path], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout_s,
-                              **run_as.popen_kwargs).returncode == 0  # type: ignore[arg-type]
-    except (OSError, subprocess.SubprocessError):
+        return run_bounded(["/bin/sh", "-c", ': >>"$0"', path], stdin=DEVNULL, timeout=timeout_s,
+                           **run_as.popen_kwargs).returncode == 0  # type: ignore[arg-type]
+    except (OSError, SubprocessError):
         return False
 
 

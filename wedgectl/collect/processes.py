@@ -157,6 +157,39 @@ def looks_like_vllm(proc: psutil.Process, _depth: int = 0) -> bool:
     return False
 
 
+class ProcessGone(Exception):
+    """The process exited (or could no longer be read) while it was being looked at."""
+
+
+def is_alive(pid: int) -> bool:
+    """Whether `pid` runs: a zombie has exited, only its parent's wait is missing."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What `discover` needs to know of a pid before it walks the tree."""
+
+    vllm: bool  # looks_like_vllm
+    name: str
+    argv: tuple[str, ...]  # as read: the caller redacts before showing it
+
+
+def identify(pid: int) -> Identity | None:
+    """The pid's Identity; None when there is no such process. ProcessGone if it exits mid-read."""
+    if pid <= 0 or not psutil.pid_exists(pid):
+        return None
+    try:
+        vllm = looks_like_vllm(psutil.Process(pid))
+        name, argv = name_cmdline(pid)
+    except (psutil.Error, OSError):
+        raise ProcessGone(pid) from None
+    return Identity(vllm, name, tuple(argv))
+
+
 def role_of(proc: psutil.Process) -> Role:
     """classify_role, plus what the parent tells: an untitled multiprocessing child (or a
     fork that still shows its parent's cmdline) of an API server is its engine core, and
@@ -349,6 +382,52 @@ def sockets_from_procfs(pid: int, proc_root: Path = procfs.PROC) -> tuple[tuple[
     return tuple(sorted(listening)), established
 
 
+def listening_of(pid: int, proc_root: Path = procfs.PROC) -> tuple[str, ...]:
+    """The API server's LISTEN addresses: from its own socket fds, or, where those are not
+    readable (no CAP_SYS_PTRACE), the LISTEN sockets of the netns on the port its cmdline names."""
+    try:
+        listening, _ = sockets_from_procfs(pid, proc_root)
+        return listening
+    except OSError:
+        pass
+    try:
+        port = port_from_cmdline(procread.read_cmdline(pid, proc_root))
+    except OSError:
+        return ()
+    found = []
+    for name in ("tcp", "tcp6"):
+        try:
+            text = (proc_root / str(pid) / "net" / name).read_text()
+        except OSError:
+            continue
+        for e in parse_proc_net_tcp(text):
+            if e.state == TCP_LISTEN and e.local.rsplit(":", 1)[-1] == str(port):
+                found.append(e.local)
+    return tuple(sorted(found))
+
+
+def port_from_cmdline(cmdline: list[str]) -> int:
+    """vLLM's --port (default 8000)."""
+    for i, arg in enumerate(cmdline):
+        if arg == "--port" and i + 1 < len(cmdline) and cmdline[i + 1].isdigit():
+            return int(cmdline[i + 1])
+        if arg.startswith("--port=") and arg[7:].isdigit():
+            return int(arg[7:])
+    return 8000
+
+
+def log_path_of(pid: int, proc_root: Path = procfs.PROC) -> str | None:
+    """The regular file the process's stdout or stderr goes to: the server log, if redirected."""
+    for fd in (2, 1):
+        try:
+            target = os.readlink(proc_root / str(pid) / "fd" / str(fd))
+        except OSError:
+            continue
+        if target.startswith("/") and not target.startswith(("/dev/", "/proc/")) and os.path.isfile(target):
+            return target
+    return None
+
+
 def _sockets_from_psutil(proc: psutil.Process) -> tuple[tuple[str, ...], int]:
     conns = proc.net_connections(kind="inet")
     listening = {format_address(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
@@ -448,3 +527,49 @@ def sample_process(
         threads=threads,
     )
     return sample, tuple(failures)
+
+
+def sample_roles(roles: dict[int, Role]) -> tuple[tuple[ProcessSample, ...], list[CollectorFailure]]:
+    """One sample of each live process in `roles` (pid -> role); zombies and the exited are left out."""
+    failures: list[CollectorFailure] = []
+    out = []
+    for proc in (psutil.Process(p) for p in roles if psutil.pid_exists(p)):
+        try:
+            sample, fails = sample_process(proc, roles[proc.pid])
+        except psutil.Error:
+            failures.append(CollectorFailure(COLLECTOR, FailureKind.GONE, "exited mid-capture", str(proc.pid)))
+            continue
+        failures.extend(fails)
+        if sample.state and sample.state not in ("Z", "X"):  # a zombie has exited; only its parent's wait is missing
+            out.append(sample)
+    return tuple(out), failures
+
+
+# ------------------------------------------------------------------ every server on the host
+
+
+@dataclass(frozen=True)
+class ServerProcess:
+    """A vLLM API server at the root of its deployment, as the host scan found it."""
+
+    pid: int
+    listening: tuple[str, ...]
+    started: float  # its create_time
+    argv: tuple[str, ...]  # redacted: the picker shows it, secrets never reach the screen
+
+
+def api_servers(process_iter=psutil.process_iter) -> list[ServerProcess]:
+    """Every vLLM API server on the host that no multi-API-server launcher owns (the launcher is
+    listed), in process-table order. `process_iter`: the seam for unit tests."""
+    found = []
+    for proc in process_iter():
+        try:
+            if not looks_like_vllm(proc) or role_of(proc) != Role.API_SERVER:
+                continue
+            if launcher_of(proc) is not None:
+                continue  # one of a multi-API-server launcher's servers: the launcher is listed
+            argv = tuple(redact_argv(name_cmdline(proc.pid)[1]))
+            found.append(ServerProcess(proc.pid, listening_of(proc.pid), proc.create_time(), argv))
+        except (psutil.Error, OSError):
+            continue
+    return found

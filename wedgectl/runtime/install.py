@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from wedgectl import exitcodes
 from wedgectl.errors import WedgectlError
+from wedgectl.lifecycle import DEVNULL, STDOUT, CompletedProcess, TimeoutExpired, run_bounded
 
 import contextlib
 import fcntl
 import os
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -42,7 +42,7 @@ VENV_TIMEOUT_S = 120
 VERIFY_TIMEOUT_S = 180
 
 Progress = Callable[[str], None]
-Runner = Callable[..., subprocess.CompletedProcess]
+Runner = Callable[..., CompletedProcess]
 
 
 class RuntimeMissing(WedgectlError):
@@ -107,7 +107,7 @@ def install_runtime(
     venv: Path | None = None,
     base_python: str = sys.executable,
     timeout_s: float = INSTALL_TIMEOUT_S,
-    run: Runner = subprocess.run,
+    run: Runner = run_bounded,
 ) -> Path:
     """Build the managed runtime (idempotent) and return its python.
 
@@ -176,13 +176,11 @@ def _run_step(
     try:
         done = run(
             list(argv),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+            stderr=STDOUT,
             timeout=timeout,
-            stdin=subprocess.DEVNULL,
+            stdin=DEVNULL,
         )
-    except subprocess.TimeoutExpired as exc:
+    except TimeoutExpired as exc:
         log.write(_as_text(exc.output))
         log.flush()
         raise RuntimeInstallError(

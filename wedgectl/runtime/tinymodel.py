@@ -12,9 +12,9 @@ from wedgectl.errors import WedgectlError
 
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
+from wedgectl.lifecycle import DEVNULL, TimeoutExpired, run_bounded
 from wedgectl.runtime.install import cache_dir
 
 MODEL_NAME = "tiny-llama-v2"
@@ -51,15 +51,13 @@ def ensure_tiny_model(
     shutil.rmtree(staging, ignore_errors=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     try:
-        done = subprocess.run(
+        done = run_bounded(
             [str(python), str(MAKE_MODEL_SCRIPT), str(staging)],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
+            stdin=DEVNULL,
             env=env,
             timeout=timeout_s,
         )
-    except subprocess.TimeoutExpired:
+    except TimeoutExpired:
         shutil.rmtree(staging, ignore_errors=True)
         raise ModelBuildError(
             f"{MAKE_MODEL_SCRIPT.name} ran past {timeout_s:.0f} s"

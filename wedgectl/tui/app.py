@@ -145,7 +145,13 @@ class PickerScreen(Screen[int]):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one("#servers", DataTable).add_columns("PID", "URL", "MODEL", "UP", "COMMAND")
+        table = self.query_one("#servers", DataTable)
+        # PID and UP get fixed widths (pid_max is 7 digits): an auto column sized before the
+        # first rows arrive was seen to stay at its header's width on a loaded host.
+        table.add_column("PID", width=7)
+        table.add_columns("URL", "MODEL")
+        table.add_column("UP", width=4)
+        table.add_column("COMMAND")
         self.action_rescan()
 
     def action_rescan(self) -> None:

@@ -18,19 +18,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import psutil
-
 from wedgectl import __version__
 from wedgectl.bundle import read_bundle, write_bundle
 from wedgectl.classify import classify
 from wedgectl.collect import processes
-from wedgectl.discover import Deployment, base_url_from_listening, discover, listening_of
+from wedgectl.discover import Deployment, base_url_from_listening, discover
 from wedgectl.errors import WedgectlError
-from wedgectl.redact import redact_argv, redact_text, redact_url
+from wedgectl.redact import redact_text, redact_url
 from wedgectl.sampler import SamplerOptions, take_sample
 from wedgectl.sources import host_facts, read_log_lines
 from wedgectl.tui.model import Frame, ScrapedSample, build_frame, describe_target
-from wedgectl.types import Bundle, Manifest, Role, Sample, Target
+from wedgectl.types import Bundle, Manifest, Sample, Target
 
 WINDOW = 60  # samples kept for the sparklines: 2 min at the default refresh
 CLASSIFY_LAST = 10  # samples the live verdict rests on: 20 s at 2 s, longer than any rule's frozen threshold
@@ -212,20 +210,10 @@ def _model_of(cmdline: list[str]) -> str:
     return "?"
 
 
-def find_servers(process_iter: Callable[[], object] = psutil.process_iter) -> list[ServerInfo]:
+def find_servers(scan: Callable[[], list[processes.ServerProcess]] = processes.api_servers) -> list[ServerInfo]:
     """Every vLLM API server on the machine (the root of each deployment), oldest first."""
-    found = []
-    for proc in process_iter():
-        try:
-            if not processes.looks_like_vllm(proc) or processes.role_of(proc) != Role.API_SERVER:
-                continue
-            if processes.launcher_of(proc) is not None:
-                continue  # one of a multi-API-server launcher's servers: the launcher is listed
-            cmdline = redact_argv(processes.name_cmdline(proc.pid)[1])  # the picker shows it: secrets never reach the screen
-            found.append(ServerInfo(proc.pid, base_url_from_listening(listening_of(proc.pid)),
-                                    redact_text(_model_of(cmdline)), proc.create_time(), " ".join(cmdline)))
-        except (psutil.Error, OSError):
-            continue
+    found = [ServerInfo(p.pid, base_url_from_listening(p.listening), redact_text(_model_of(list(p.argv))),
+                        p.started, " ".join(p.argv)) for p in scan()]
     return sorted(found, key=lambda s: s.started)
 
 

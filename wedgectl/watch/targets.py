@@ -10,10 +10,9 @@ from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
 import httpx
-import psutil
 
 from wedgectl import __version__
-from wedgectl.collect import procread
+from wedgectl.collect import processes, procread
 from wedgectl.collect import procfs
 from wedgectl.collect.scrape import scrape_metrics
 from wedgectl.discover import Deployment, discover, tree_roles
@@ -129,7 +128,7 @@ class Watched:
         if deployment.api_pid is not None:
             try:
                 self.model = served_model(procread.read_cmdline(deployment.api_pid))
-            except (psutil.Error, OSError):
+            except OSError:  # read_cmdline: unreadable or blocked past its bound
                 pass
         if self.model:
             self.name = target_name(node, deployment.base_url, self.model, deployment.root_pid)
@@ -149,10 +148,7 @@ class Watched:
         pid = self.deployment.root_pid
         if pid is None:
             return True
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
+        return processes.is_alive(pid)
 
     def manifest(self, note: str) -> Manifest:
         d = self.deployment
