@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+
+from wedge_engine._env import positive_seconds
 
 HOLD_ENV = "WEDGE_ENGINE_FAULT_HOLD_S"
 DEFAULT_HOLD_S = 90.0
@@ -60,16 +61,7 @@ def hold_s_from(environ: Mapping[str, str]) -> float:
     """S from WEDGE_ENGINE_FAULT_HOLD_S (default 90); FaultConfigError unless a number > 0."""
     from wedge_engine.faults import FaultConfigError
 
-    raw = environ.get(HOLD_ENV, "").strip()
-    if not raw:
-        return DEFAULT_HOLD_S
-    try:
-        s = float(raw)
-    except ValueError:
-        raise FaultConfigError(f"{HOLD_ENV}={raw!r} is not a number") from None
-    if not math.isfinite(s) or s <= 0:
-        raise FaultConfigError(f"{HOLD_ENV}={raw!r} must be a finite number of seconds > 0")
-    return s
+    return positive_seconds(environ, HOLD_ENV, DEFAULT_HOLD_S, FaultConfigError)
 
 
 def most_remaining(running: Iterable[Any]) -> int:

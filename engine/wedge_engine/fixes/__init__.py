@@ -20,11 +20,12 @@ offline ``LLM``) is ``api`` and gets the engine patches too.
 from __future__ import annotations
 
 import importlib
-import math
 import multiprocessing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
+
+from wedge_engine._env import positive_seconds
 
 FIXES_ENV = "WEDGE_ENGINE_FIXES"
 WATCHDOG_ENV = "WEDGE_ENGINE_WATCHDOG_S"
@@ -86,19 +87,6 @@ def parse_fixes(raw: str | None) -> tuple[frozenset[str], tuple[str, ...]]:
     return frozenset(chosen), tuple(unknown)
 
 
-def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
-    raw = environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise FixConfigError(f"{name}={raw!r} is not a number of seconds") from None
-    if not math.isfinite(value) or value <= 0:
-        raise FixConfigError(f"{name}={raw!r} must be a positive number of seconds")
-    return value
-
-
 def _flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
     raw = environ.get(name, "").strip().lower()
     if not raw:
@@ -120,8 +108,8 @@ def settings_from(environ: Mapping[str, str]) -> FixSettings:
         )
     return FixSettings(
         fixes=fixes,
-        watchdog_s=_seconds(environ, WATCHDOG_ENV, DEFAULT_WATCHDOG_S),
-        shutdown_s=_seconds(environ, SHUTDOWN_ENV, DEFAULT_SHUTDOWN_S),
+        watchdog_s=positive_seconds(environ, WATCHDOG_ENV, DEFAULT_WATCHDOG_S, FixConfigError),
+        shutdown_s=positive_seconds(environ, SHUTDOWN_ENV, DEFAULT_SHUTDOWN_S, FixConfigError),
         honest_max_model_len=_flag(environ, HONEST_LEN_ENV, True),
     )
 
