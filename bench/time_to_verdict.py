@@ -1,11 +1,19 @@
 """Seconds from `wedgectl diagnose` start to verdict, and wedgectl's CPU seconds, per repro.
 
-    python bench/time_to_verdict.py [--runs 3] [NAME ...]
+    python bench/time_to_verdict.py [--runs 3] [--json] [NAME ...]
 
 For each config: reproduce it on the real server (kept running), then run
 `wedgectl diagnose --pid PID --json` RUNS times against it, timing each run and
-reading the child's CPU time from the kernel (rusage). Prints one row per
-config: the verdicts seen, median wall seconds, median CPU seconds.
+reading the child's CPU time from the kernel (rusage: wedgectl and the py-spy and
+probe children it waited for). Prints one row per config: the verdicts seen,
+median wall seconds, median CPU seconds, and how many runs were right; with
+--json, one object per config (name, expected, verdicts, median_s, median_cpu_s,
+right, runs) and a last object with the goals and the host's load.
+
+The goals (issue 14): median seconds to verdict <= 2.0 for idle, admission-wedge,
+engine-deadlock and shutdown-hang; <= 3.0 for healthy and starved; <= 5.0 for
+healthy-loaded (8 streams saturating the host); CPU <= 0.5 s per diagnose; every
+verdict right. A loaded host moves the wall seconds; the load average is printed.
 """
 
 from __future__ import annotations
@@ -25,54 +33,88 @@ import psutil
 
 from wedgectl.repro import find_config, run_repro
 
-NAMES = ["idle", "healthy", "admission-wedge", "engine-deadlock", "shutdown-hang", "starved"]
+NAMES = ["idle", "healthy", "healthy-loaded", "admission-wedge", "engine-deadlock", "shutdown-hang", "starved"]
+GOAL_S = {"idle": 2.0, "admission-wedge": 2.0, "engine-deadlock": 2.0, "shutdown-hang": 2.0,
+          "healthy": 3.0, "starved": 3.0, "healthy-loaded": 5.0}
+GOAL_CPU_S = 0.5
 
 
-def timed_diagnose(pid: int) -> tuple[float, float, str]:
+def timed_diagnose(pid: int, extra: tuple[str, ...] = ()) -> tuple[float, float, str]:
+    """(wall s, CPU s of wedgectl and its children, verdict) of one `wedgectl diagnose --pid`."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "wedgectl", "diagnose", "--pid", str(pid), "--json", "-q"],
+    r = subprocess.run([sys.executable, "-m", "wedgectl", "diagnose", "--pid", str(pid), "--json", "-q", *extra],
                        capture_output=True, text=True, timeout=120)
     wall = time.monotonic() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    verdict = json.loads(r.stdout)["verdict"] if r.stdout.strip() else f"error {r.returncode}"
+    try:
+        verdict = json.loads(r.stdout)["verdict"]
+    except (ValueError, KeyError):
+        verdict = f"error {r.returncode}"
     return wall, cpu, verdict
 
 
 def kill_session(pid: int) -> None:
-    """The kept server runs in its own session: end the whole group."""
+    """The kept server runs in its own session: end the whole group (its clients' holder too)."""
     try:
         os.killpg(os.getpgid(pid), signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     deadline = time.monotonic() + 10
     while psutil.pid_exists(pid) and time.monotonic() < deadline:
+        try:
+            os.waitpid(pid, os.WNOHANG)  # the server is our child: reap it, or it lingers as a zombie
+        except ChildProcessError:
+            break
         time.sleep(0.2)
+
+
+def bench_config(name: str, runs: int, out: Path, extra: tuple[str, ...] = ()) -> dict:
+    cfg = find_config(name)
+    result = run_repro(cfg, out_dir=out / name, keep=True, progress=lambda m: None)
+    try:
+        got = [timed_diagnose(result.pid, extra) for _ in range(runs)]
+    finally:
+        kill_session(result.pid)
+    walls, cpus, verdicts = zip(*got)
+    return {"name": name, "expected": cfg.expected, "verdicts": list(verdicts),
+            "median_s": round(statistics.median(walls), 2), "median_cpu_s": round(statistics.median(cpus), 3),
+            "right": sum(v == cfg.expected for v in verdicts), "runs": len(verdicts),
+            "goal_s": GOAL_S.get(name), "load_avg": round(psutil.getloadavg()[0], 1),
+            "priority": "same" if extra else "low"}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", default=NAMES)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--json", action="store_true", help="one JSON object per config, then one with the goals")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
+    ap.add_argument("--same-priority", action="store_true",
+                    help="diagnose at the server's priority (default: nice +5, idle I/O, as shipped)")
     args = ap.parse_args()
+    extra = ("--same-priority",) if args.same_priority else ()
     rows = []
     for name in args.names:
-        cfg = find_config(name)
-        result = run_repro(cfg, out_dir=args.out / name, keep=True, progress=lambda m: None)
-        try:
-            runs = [timed_diagnose(result.pid) for _ in range(args.runs)]
-        finally:
-            kill_session(result.pid)
-        walls, cpus, verdicts = zip(*runs)
-        rows.append((name, cfg.expected, verdicts, statistics.median(walls), statistics.median(cpus)))
-        print(f"{name:<16} expected {cfg.expected:<16} verdicts {','.join(verdicts):<50} "
-              f"wall {statistics.median(walls):5.2f} s  cpu {statistics.median(cpus):5.2f} s", flush=True)
+        row = bench_config(name, args.runs, args.out, extra)
+        rows.append(row)
+        if args.json:
+            print(json.dumps(row), flush=True)
+        else:
+            print(f"{name:<16} expected {row['expected']:<16} verdicts {','.join(row['verdicts']):<50} "
+                  f"wall {row['median_s']:5.2f} s  cpu {row['median_cpu_s']:5.2f} s", flush=True)
+    cores = psutil.cpu_count() or 1
+    if args.json:
+        print(json.dumps({"goals": {"median_s": GOAL_S, "median_cpu_s": GOAL_CPU_S},
+                          "cores": cores, "load_avg_end": round(psutil.getloadavg()[0], 1)}))
+        return 0
     print()
-    print(f"{'config':<16} {'median s to verdict':>20} {'median CPU s':>14} {'matched':>8}")
-    for name, expected, verdicts, wall, cpu in rows:
-        print(f"{name:<16} {wall:>20.2f} {cpu:>14.2f} {sum(v == expected for v in verdicts):>5}/{len(verdicts)}")
+    print(f"{'config':<16} {'median s':>9} {'goal s':>7} {'median CPU s':>13} {'goal':>5} {'right':>6}  load")
+    for r in rows:
+        goal = f"{r['goal_s']:.1f}" if r["goal_s"] is not None else "-"
+        print(f"{r['name']:<16} {r['median_s']:>9.2f} {goal:>7} {r['median_cpu_s']:>13.2f} {GOAL_CPU_S:>5.1f} "
+              f"{r['right']:>3}/{r['runs']:<2}  {r['load_avg']:.1f} on {cores} cores")
     return 0
 
 

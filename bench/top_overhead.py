@@ -1,7 +1,7 @@
 """What `wedgectl top` costs the server it watches: tokens/s with and without top attached, in one run.
 
     python bench/top_overhead.py [--rounds 10] [--phase-s 6] [--clients 2] [--max-tokens 64]
-                                 [--refresh 2] [--mode app|collector] [--python PY]
+                                 [--refresh 1] [--mode app|collector] [--python PY]
 
 Starts one tiny-model vLLM server (the managed runtime), drives a fixed closed-loop load
 (CLIENTS threads, each sending the next completion as soon as the last returns) and
@@ -17,7 +17,8 @@ the share of the cores the server gets, while work per CPU second shows whether 
 slows the server down by any other way (locks, ptrace). top's CPU (py-spy's included)
 is read from the kernel for its process alone, over the phases it ran.
 
-The goal is under 1 % loss at the default refresh. On a small shared machine other
+The goals: under 1 % throughput loss, and top itself under 1 % of one core at a 1 s refresh
+(the last line prints that figure beside its goal). On a small shared machine other
 processes move throughput by more than that from phase to phase: the spread of the
 round ratios is printed so the median can be read against it.
 """
@@ -159,7 +160,7 @@ def main() -> int:
     ap.add_argument("--phase-s", type=float, default=6.0)
     ap.add_argument("--clients", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--refresh", type=float, default=2.0)
+    ap.add_argument("--refresh", type=float, default=1.0)
     ap.add_argument("--mode", choices=("app", "collector"), default="app")
     ap.add_argument("--python", help="a vLLM environment's python (default: the managed runtime)")
     args = ap.parse_args()
@@ -210,6 +211,9 @@ def main() -> int:
           f"rounds {min(eff_ratios):.3f} .. {max(eff_ratios):.3f}")
     print(f"wedgectl top CPU: {top.cpu_on_s:.2f} s over {on_s:.0f} s attached = "
           f"{100 * top.cpu_on_s / on_s:.1f} % of one core, {100 * top.cpu_on_s / on_s / cores:.1f} % of the machine (py-spy included)")
+    print(f"{'figure':34} {'measured':>9} {'goal':>6}")
+    print(f"{'top CPU, % of one core':34} {100 * top.cpu_on_s / on_s:9.2f} {'<= 1':>6}   (refresh {args.refresh:g} s, {args.mode})")
+    print(f"{'serving throughput ratio':34} {med:9.4f} {'>= 0.99':>6}")
     print(f"client errors: {load.errors}; server log: {log}")
     return 0
 

@@ -13,6 +13,11 @@ from types import ModuleType
 DEFAULT_PROBES = ("futexwait", "offcpu")
 ALL_PROBES = ("futexwait", "offcpu", "pylockwait")  # pylockwait is opt-in: its uprobe costs every Python process
 
+# Waits (futex, off-CPU blocks, Python lock acquires) shorter than this leave nothing in the
+# maps: what a hang diagnosis needs is waits of seconds, and the short ones are most of the
+# events on a busy server. `--min-wait-ms` changes it.
+DEFAULT_MIN_WAIT_MS = 10.0
+
 # the tools' exit status, shared by `wedgectl probes`
 EXIT_OK, EXIT_USAGE, EXIT_NO_BACKEND, EXIT_PERMISSION, EXIT_GONE, EXIT_FAILED = 0, 2, 3, 4, 5, 6
 
@@ -24,5 +29,5 @@ def load_probe(name: str) -> ModuleType:
     return importlib.import_module(f"wedgectl.probes.{name}")
 
 
-__all__ = ["ALL_PROBES", "DEFAULT_PROBES", "EXIT_FAILED", "EXIT_GONE", "EXIT_NO_BACKEND", "EXIT_OK",
+__all__ = ["ALL_PROBES", "DEFAULT_MIN_WAIT_MS", "DEFAULT_PROBES", "EXIT_FAILED", "EXIT_GONE", "EXIT_NO_BACKEND", "EXIT_OK",
            "EXIT_PERMISSION", "EXIT_USAGE", "load_probe"]

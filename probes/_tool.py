@@ -7,19 +7,22 @@ import json
 import sys
 from collections.abc import Sequence
 
-from wedgectl.probes import EXIT_FAILED, EXIT_GONE, EXIT_NO_BACKEND, EXIT_OK, EXIT_PERMISSION, EXIT_USAGE
+from wedgectl.probes import DEFAULT_MIN_WAIT_MS, EXIT_FAILED, EXIT_GONE, EXIT_NO_BACKEND, EXIT_OK, EXIT_PERMISSION, EXIT_USAGE
 
 MAX_WINDOW_S = 300.0
 PLACEHOLDER_LIB = "/path/to/libpython3.X.so"  # --ebpf without a python target still shows the uprobe
 
 
 def parser(prog: str, summary: str, epilog: str) -> argparse.ArgumentParser:
-    """-p/--pid, -d/--duration, --backend, --max-entries, --no-children, --json, and the hidden --ebpf."""
+    """-p/--pid, -d/--duration, --min-wait-ms, --backend, --max-entries, --no-children, --json, and the hidden --ebpf."""
     p = argparse.ArgumentParser(prog=prog, description=summary, epilog=epilog,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-p", "--pid", required=True,
                    help="pid(s) to trace, comma-separated; each one's descendants are traced too")
     p.add_argument("-d", "--duration", type=float, default=5.0, help="seconds to trace (default 5, at most 300)")
+    p.add_argument("--min-wait-ms", type=float, default=DEFAULT_MIN_WAIT_MS,
+                   help=f"record only waits that outlast this, in ms (default {DEFAULT_MIN_WAIT_MS:g}); "
+                        "shorter ones cost one map write and read and leave nothing")
     p.add_argument("--backend", choices=("auto", "bcc", "bpftrace", "procfs"), default="auto",
                    help="force a back-end (default: the best this host supports)")
     p.add_argument("--max-entries", type=int, default=4096, help="entries per BPF map (default 4096)")
@@ -40,6 +43,9 @@ def main(argv: list[str] | None, probes: Sequence[str], *, prog: str, summary: s
     if not pids or args.duration <= 0 or args.duration > MAX_WINDOW_S:
         print(f"need pids and 0 < duration <= {MAX_WINDOW_S:.0f}", file=sys.stderr)
         return EXIT_USAGE
+    if not 0 <= args.min_wait_ms <= MAX_WINDOW_S * 1000:
+        print(f"need 0 <= --min-wait-ms <= {MAX_WINDOW_S * 1000:.0f}", file=sys.stderr)
+        return EXIT_USAGE
     from wedgectl.collect import ebpf, ebpfhost  # here, not at import: the collector loads the probes' text
 
     if args.ebpf:  # no root needed: text only, nothing attached
@@ -56,7 +62,7 @@ def main(argv: list[str] | None, probes: Sequence[str], *, prog: str, summary: s
             print(f"{args.backend} cannot run here: {status.reason}", file=sys.stderr)
             return EXIT_PERMISSION if "root" in status.reason else EXIT_NO_BACKEND
     records, failures = ebpf.run_probes(pids, args.duration, probes=probes, backend=args.backend,
-                                        max_entries=args.max_entries)
+                                        max_entries=args.max_entries, min_wait_s=args.min_wait_ms / 1000)
     print_records(records, as_json=args.json)
     for f in failures:
         print(f"{f.kind.value}: {f.message}", file=sys.stderr)
@@ -70,12 +76,13 @@ def program_text(probes: Sequence[str], pids: Sequence[int], args: argparse.Name
     """What --ebpf prints: the C text for --backend bcc, else the bpftrace program."""
     from wedgectl.collect import ebpf
 
+    min_wait_s = args.min_wait_ms / 1000
     if args.backend == "bcc":
-        return ebpf.bcc_program(probes, pids, args.max_entries) + "\n"
+        return ebpf.bcc_program(probes, pids, args.max_entries, min_wait_s=min_wait_s) + "\n"
     libs: list[str] = []
     if "pylockwait" in probes:
         libs = ebpf.python_libraries(pids) or [PLACEHOLDER_LIB]
-    return ebpf.bpftrace_program(probes, pids, args.duration, (), libs)
+    return ebpf.bpftrace_program(probes, pids, args.duration, libs, min_wait_s=min_wait_s)
 
 
 def print_records(records: Sequence[object], as_json: bool) -> None:

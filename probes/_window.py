@@ -63,6 +63,7 @@ class Window:
     end_read_at: float  # monotonic time of the end read
     offsets: dict[int, float]  # per CPU: monotonic - scheduler clock
     wall_offset: float  # time.time() - time.monotonic()
+    min_wait_s: float = 0.01  # the threshold the program ran with: shorter waits were not recorded
 
     @property
     def seconds(self) -> float:
@@ -82,6 +83,16 @@ def table(maps: Maps, name: str) -> dict[Any, Any]:
     """One map as a dict; {} when the program printed none (an empty map prints nothing)."""
     value = maps.get(name)
     return value if isinstance(value, dict) else {}
+
+
+def pair(value: Any) -> tuple[int, int]:
+    """A (start, address) map value as ints; (0, 0) when absent or of another shape (bpftrace prints a tuple as a list)."""
+    if isinstance(value, (list, tuple)) and len(value) >= 2:
+        try:
+            return int(value[0]), int(value[1])
+        except (TypeError, ValueError):
+            pass
+    return 0, 0
 
 
 def rounded(x: float | None, nd: int = 4) -> float | None:

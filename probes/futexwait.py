@@ -1,24 +1,30 @@
 #!/usr/bin/env python3
 """futexwait: per-thread futex waits of a process tree, and who called FUTEX_WAKE on which address.
 
-Traces tracepoint:syscalls:sys_enter_futex and sys_exit_futex, filtered in the
-kernel to the target pids. Per thread: the futex address and start time of
-the wait it is in now, how many waits it began and how long it spent waiting
-in the window; per (pid, address): which threads called a wake op on it, how
-often, and how many waiters those calls woke.
+Traces tracepoint:syscalls:sys_enter_futex and sys_exit_futex; each probe's
+predicate is the target pids' tgid compare and nothing else. Per futex call
+the program writes the call's (start, address) on entry and reads it on exit;
+only waits that outlast the threshold (--min-wait-ms, default 10) are counted
+and summed, in kernel maps. Per thread: the futex address and start time of
+the wait it is in now, how many waits over the threshold it made and how long
+it spent in them in the window; per (pid, address): which threads called a
+wake op on it, how often, and how many waiters those calls woke.
 
 A thread parked since *before* the probe attached fires no sys_enter_futex in
 the window. Its wait start comes from /proc/PID/task/TID/sched `se.exec_start`
 (the last time it ran, on the scheduler's clock, calibrated per CPU against
 CLOCK_MONOTONIC): see wedgectl/collect/procfs.py and probes/README.md.
 
-Overhead, measured with bench/probe_overhead.py (4 Python thread pairs
-ping-ponging through queue.Queue, ~440k futex calls/s, 2 vCPUs loaded by other
-work): throughput 0.88 of untraced, CPU per hand-off up 6-50 %, i.e. ~0.1-0.6
-us per futex call. While attached, every syscall on the host takes the slow
-path of syscall tracing, and a non-target call costs a pid compare. A vLLM
-server makes a few thousand futex calls a second: well under 1 % of a CPU. Maps are bounded (--max-entries, default 4096 per map); a full
-map drops new keys and the result says so. The program exits by itself after
+Overhead (bench/probe_overhead.py, side by side in one run): on its worst
+case, 4 Python thread pairs handing off through queue.Queue at ~300-400k
+futex calls/s, throughput is 0.71-0.84 of untraced on a 2-vCPU host loaded by
+other work, and the same two tracepoints with an empty program cost as much
+(0.83-0.89): the cost is the syscall tracepoints themselves (while attached,
+every syscall on the host takes the slow path, and each futex call fills a
+perf trace record), not the program, which runs one map write and one read
+per call. The cost scales with the host's syscall rate and the target's futex
+rate; on a serving vLLM server see OVERHEAD. Maps are bounded (--max-entries,
+default 4096 per map); a full map drops new keys and the result says so. The program exits by itself after
 --duration seconds (an in-kernel interval probe), so a killed wedgectl never
 leaves it attached.
 
@@ -33,15 +39,16 @@ import sys
 from typing import Any
 
 from wedgectl.probes import _tool
-from wedgectl.probes._window import Maps, Window, rounded, table
+from wedgectl.probes._window import Maps, Window, pair, rounded, table
 from wedgectl.types import WakeCall
 
 NAME = "futexwait"
 SUMMARY = "futex waits per thread (address, start, count, total) and FUTEX_WAKE calls per address"
 TRACEPOINTS = ("syscalls:sys_enter_futex", "syscalls:sys_exit_futex")
-FUTEXWAIT_OVERHEAD = ("worst case, 4 Python thread pairs at ~440k futex calls/s on 2 loaded vCPUs: "
-                      "throughput ratio 0.88 traced/untraced, CPU per hand-off ratio 0.66-0.94 "
-                      "(~0.1-0.6 us per call); bench/probe_overhead.py --each")
+FUTEXWAIT_OVERHEAD = ("futex storm, ~300-450k futex calls/s on 2 loaded vCPUs: throughput ratio 0.71-0.84 "
+                      "traced/untraced, as much as an empty program on the same tracepoints costs; serving vLLM "
+                      "(tiny model, 4 streams): ratio 0.99-1.04, within that host's noise; "
+                      "bench/probe_overhead.py --each --vllm")
 OVERHEAD = FUTEXWAIT_OVERHEAD
 
 # futex(2) commands (op & 0x7f: the private flag is 128, FUTEX_CLOCK_REALTIME 256)
@@ -50,132 +57,135 @@ WAKE_CMDS = (1, 3, 4, 5, 7, 10, 12)  # WAKE, REQUEUE, CMP_REQUEUE, WAKE_OP, UNLO
 
 # Map names the program fills; the collector reads them by these names.
 MAX_WAKES_REPORTED = 256
-MAPS = ("fw_wait_since", "fw_wait_addr", "fw_nwaits", "fw_wait_ns", "fw_carried",
-        "fw_wakes", "fw_woken", "fw_busy")
+MAPS = ("fw_at", "fw_nwaits", "fw_wait_ns", "fw_carried", "fw_wakes", "fw_woken")
 
 
 def _any_of(var: str, values: tuple[int, ...]) -> str:
     return " || ".join(f"{var} == {v}" for v in values)
 
 
-# bpftrace text. __FILTER__ becomes the pid predicate ("pid == 4101 || pid == 4102"),
-# tested first so other processes' calls cost one compare. @t_live is set by the BEGIN
-# block the collector adds once every probe is attached (so nothing half-attached
-# counts) and cleared when the window's timer fires (so nothing after it counts).
+# bpftrace text. __FILTER__ becomes the tgid predicate ("pid == 4101 || pid == 4102"): the
+# whole predicate, so another process's call costs one compare and nothing else.
+# Per call the program does one map write on entry and one read on exit; waits shorter than
+# __MIN_NS__ (the threshold, --min-wait-ms) end there. @fw_at[tid] = (start, addr) of the
+# call in progress, start 0 for a wake op; it is never deleted (the next call of the same
+# thread overwrites it), and which entry is a wait still in progress at the end of the
+# window is decided against /proc's read of the thread then. An exit with no entry is a
+# call that began before the attach: a wait "carried" into the window.
 BPFTRACE_BEGIN = ""
 BPFTRACE_PROBES = """
-tracepoint:syscalls:sys_enter_futex /(__FILTER__) && @t_live/
+tracepoint:syscalls:sys_enter_futex /__FILTER__/
 {
   $cmd = args->op & 0x7f;
-  $addr = (uint64)args->uaddr;
   if (__IS_WAIT__) {
-    @fw_wait_since[tid] = nsecs;
-    @fw_wait_addr[tid] = $addr;
-    @fw_nwaits[tid] = count();
+    @fw_at[tid] = (nsecs, (uint64)args->uaddr);
   } else {
-    @fw_busy[tid] = $addr + 1;
+    @fw_at[tid] = ((uint64)0, (uint64)args->uaddr);
     if (__IS_WAKE__) {
-      @fw_wakes[pid, $addr, tid] = count();
+      @fw_wakes[pid, (uint64)args->uaddr, tid] = count();
       if ($cmd == 5) { @fw_wakes[pid, (uint64)args->uaddr2, tid] = count(); }
     }
   }
 }
 
-tracepoint:syscalls:sys_exit_futex /(__FILTER__) && @t_live/
+tracepoint:syscalls:sys_exit_futex /__FILTER__/
 {
-  $since = @fw_wait_since[tid];
-  $busy = @fw_busy[tid];
-  if ($since) {
-    @fw_wait_ns[tid] = sum(nsecs - $since);
-    delete(@fw_wait_since[tid]);
-    delete(@fw_wait_addr[tid]);
+  $at = @fw_at[tid];
+  if ($at.0) {
+    $d = nsecs - $at.0;
+    if ($d >= __MIN_NS__) {
+      @fw_nwaits[tid] = count();
+      @fw_wait_ns[tid] = sum($d);
+    }
   } else {
-    if ($busy) {
-      if (args->ret > 0) { @fw_woken[pid, $busy - 1] = sum(args->ret); }
-      delete(@fw_busy[tid]);
+    if ($at.1) {
+      if (args->ret > 0) { @fw_woken[pid, $at.1] = sum(args->ret); }
     } else {
       // a wait that began before the probe attached has ended: count its part in the window
-      @fw_wait_ns[tid] = sum(nsecs - @t_begin);
-      @fw_carried[tid] = count();
+      $b = @t_begin;
+      $d = nsecs - $b;
+      if ($b && $d >= __MIN_NS__) {
+        @fw_wait_ns[tid] = sum($d);
+        @fw_carried[tid] = count();
+      }
+      @fw_at[tid] = ((uint64)0, (uint64)1);
     }
   }
 }
 """.replace("__IS_WAIT__", _any_of("$cmd", WAIT_CMDS)).replace("__IS_WAKE__", _any_of("$cmd", WAKE_CMDS))
-BPFTRACE_END = "  clear(@fw_busy);\n"
+BPFTRACE_END = ""
 
 # bcc text (used where bcc can compile: kernel headers present). Same maps, same
 # meaning; keys of several fields are structs the collector flattens to tuples.
 BCC_TEXT = """
+struct fw_at_t { u64 since; u64 addr; };
 struct fw_key3_t { u64 pid; u64 addr; u64 tid; };
 struct fw_key2_t { u64 pid; u64 addr; };
-BPF_HASH(fw_wait_since, u64, u64, __MAX_ENTRIES__);
-BPF_HASH(fw_wait_addr, u64, u64, __MAX_ENTRIES__);
+BPF_HASH(fw_at, u64, struct fw_at_t, __MAX_ENTRIES__);
 BPF_HASH(fw_nwaits, u64, u64, __MAX_ENTRIES__);
 BPF_HASH(fw_wait_ns, u64, u64, __MAX_ENTRIES__);
 BPF_HASH(fw_carried, u64, u64, __MAX_ENTRIES__);
-BPF_HASH(fw_busy, u64, u64, __MAX_ENTRIES__);
 BPF_HASH(fw_wakes, struct fw_key3_t, u64, __MAX_ENTRIES__);
 BPF_HASH(fw_woken, struct fw_key2_t, u64, __MAX_ENTRIES__);
 
 TRACEPOINT_PROBE(syscalls, sys_enter_futex)
 {
     u64 id = bpf_get_current_pid_tgid();
-    u64 pid = id >> 32, tid = (u32)id;
-    if (!(__FILTER__) || !t_begin_ns())
+    u64 pid = id >> 32;
+    if (!(__FILTER__))
         return 0;
+    u64 tid = (u32)id;
     int cmd = args->op & 0x7f;
-    u64 addr = (u64)args->uaddr;
-    u64 now = bpf_ktime_get_ns();
+    struct fw_at_t at = {.since = 0, .addr = (u64)args->uaddr};
     if (__IS_WAIT__) {
-        fw_wait_since.update(&tid, &now);
-        fw_wait_addr.update(&tid, &addr);
-        fw_nwaits.increment(tid);
-        return 0;
-    }
-    u64 busy = addr + 1;
-    fw_busy.update(&tid, &busy);
-    if (__IS_WAKE__) {
-        struct fw_key3_t k = {.pid = pid, .addr = addr, .tid = tid};
+        at.since = bpf_ktime_get_ns();
+    } else if (__IS_WAKE__) {
+        struct fw_key3_t k = {.pid = pid, .addr = at.addr, .tid = tid};
         fw_wakes.increment(k);
         if (cmd == 5) {
             struct fw_key3_t k2 = {.pid = pid, .addr = (u64)args->uaddr2, .tid = tid};
             fw_wakes.increment(k2);
         }
     }
+    fw_at.update(&tid, &at);
     return 0;
 }
 
 TRACEPOINT_PROBE(syscalls, sys_exit_futex)
 {
     u64 id = bpf_get_current_pid_tgid();
-    u64 pid = id >> 32, tid = (u32)id;
-    u64 begin = t_begin_ns();
-    if (!begin || !(__FILTER__))
+    u64 pid = id >> 32;
+    if (!(__FILTER__))
         return 0;
+    u64 tid = (u32)id;
     u64 now = bpf_ktime_get_ns();
-    u64 *since = fw_wait_since.lookup(&tid);
-    if (since) {
-        u64 d = now - *since;
-        fw_wait_ns.increment(tid, d);
-        fw_wait_since.delete(&tid);
-        fw_wait_addr.delete(&tid);
+    struct fw_at_t *at = fw_at.lookup(&tid);
+    if (at && at->since) {
+        u64 d = now - at->since;
+        if (d >= __MIN_NS__) {
+            fw_nwaits.increment(tid);
+            fw_wait_ns.increment(tid, d);
+        }
         return 0;
     }
-    u64 *busy = fw_busy.lookup(&tid);
-    if (busy) {
+    if (at && at->addr) {
         if (args->ret > 0) {
-            struct fw_key2_t k = {.pid = pid, .addr = *busy - 1};
+            struct fw_key2_t k = {.pid = pid, .addr = at->addr};
             fw_woken.increment(k, args->ret);
         }
-        fw_busy.delete(&tid);
         return 0;
     }
-    fw_wait_ns.increment(tid, now - begin);
-    fw_carried.increment(tid);
+    u64 begin = t_begin_ns();
+    if (begin && now - begin >= __MIN_NS__) {
+        fw_wait_ns.increment(tid, now - begin);
+        fw_carried.increment(tid);
+    }
+    struct fw_at_t done = {.since = 0, .addr = 1};
+    fw_at.update(&tid, &done);
     return 0;
 }
 """.replace("__IS_WAIT__", _any_of("cmd", WAIT_CMDS)).replace("__IS_WAKE__", _any_of("cmd", WAKE_CMDS))
-BCC_CLEAR = ("fw_busy",)
+BCC_CLEAR: tuple[str, ...] = ()
 
 EPILOG = """examples:
     python -m wedgectl.probes.futexwait -p 4101              # pid 4101 and its children, 5 s
@@ -195,14 +205,16 @@ def thread_fields(maps: Maps, w: Window, traced: bool) -> dict[int, dict[str, An
 
     traced is False where the program did not run (the procfs back-end): the
     address and start then come from /proc alone, and waits and wakes are None.
-    A wait begun in the window starts at its tracepoint; one begun before the
-    attach starts at se.exec_start (calibrated), or, without it, at the window.
+    A wait the tracepoint saw begin, and that /proc still shows at the end on
+    the same address, starts at its tracepoint; one begun before the attach
+    starts at se.exec_start (calibrated), or, without it, at the window.
+    waits and total_wait_s count only waits that outlasted the threshold.
     """
     wakes: dict[tuple[int, int], dict[int, int]] = {}
     for key, calls in table(maps, "fw_wakes").items():
         if isinstance(key, tuple) and len(key) == 3:
             wakes.setdefault((key[0], key[1]), {})[key[2]] = int(calls)
-    since_map, addr_map = table(maps, "fw_wait_since"), table(maps, "fw_wait_addr")
+    at_map = table(maps, "fw_at")
     nwaits, carried, wait_ns = table(maps, "fw_nwaits"), table(maps, "fw_carried"), table(maps, "fw_wait_ns")
     out: dict[int, dict[str, Any]] = {}
     for tid, st in w.end_states.items():
@@ -210,9 +222,10 @@ def thread_fields(maps: Maps, w: Window, traced: bool) -> dict[int, dict[str, An
         addr = start = None
         source = ""
         ref = w.end
-        since = since_map.get(tid) if traced else None
-        if since:
-            addr, start, source = int(addr_map.get(tid, 0)) or st.futex_addr, since / 1e9, "tracepoint"
+        since, at_addr = pair(at_map.get(tid)) if traced else (0, 0)
+        if since and st.in_futex_wait and st.futex_addr in (None, at_addr):
+            addr, start, source = at_addr or st.futex_addr, since / 1e9, "tracepoint"
+            ref = max(w.end, start)
         elif st.in_futex_wait:
             addr, ref = st.futex_addr, w.end_read_at
             es = w.exec_start_mono(st)
@@ -223,7 +236,7 @@ def thread_fields(maps: Maps, w: Window, traced: bool) -> dict[int, dict[str, An
         ran = None
         if st0 is not None and st0.exec_start_s is not None and st.exec_start_s is not None:
             ran = st0.exec_start_s != st.exec_start_s
-        events = traced and (tid in nwaits or tid in carried)
+        events = traced and (tid in at_map or tid in nwaits or tid in carried)
         parked = bool(addr is not None and source in ("sched", "window") and st0 is not None
                       and st0.in_futex_wait and st0.futex_addr == addr and ran is not True and not events)
         waits = total = wake_calls = None
@@ -233,6 +246,7 @@ def thread_fields(maps: Maps, w: Window, traced: bool) -> dict[int, dict[str, An
             total = wait_ns.get(tid, 0) / 1e9
             if start is not None:
                 total += max(0.0, min(w.end, ref) - max(start, w.begin))
+                waits += int(source == "tracepoint" and ref - start >= w.min_wait_s)
             total = min(total, w.seconds)
             if addr is not None:
                 by = wakes.get((st.pid, addr), {})

@@ -98,9 +98,9 @@ def test_real_server_log_that_ends_idle():
     v = classify(bundle_from_log(LOGS.parent / "real" / "progressing_server.log"))
     assert v.verdict is VerdictKind.IDLE
     assert v.evidence[0].values["gen_tokens_per_s"] == 0
-    # A server that never served logs no stats line at all: a log alone cannot call that idle.
+    # A server that was never asked anything logs no stats line at all: idle, quiet 38 s by its stamps.
     v = classify(bundle_from_log(LOGS.parent / "real" / "idle_server.log"))
-    assert v.verdict is VerdictKind.INCONCLUSIVE
+    assert v.verdict is VerdictKind.IDLE and v.rule == "log_never_asked"
 
 
 def test_vllm_lines_with_no_decision_are_inconclusive(tmp_path):

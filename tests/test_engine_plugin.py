@@ -112,7 +112,7 @@ def test_selected_fault_is_normalised():
 
 
 def test_fault_names():
-    assert set(FAULTS) == {"admission-overhang", "model-stall", "runaway-hold"}
+    assert {"admission-overhang", "model-stall", "runaway-hold", "lost-abort", "stream-sessions"} <= set(FAULTS)
 
 
 def test_unknown_fault_one_error_nothing_patched(caplog, loader):

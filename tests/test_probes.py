@@ -3,6 +3,7 @@ the /proc side, the back-end choice on recorded host trees, combining, the bundl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -33,38 +34,48 @@ TOOLS = probes.ALL_PROBES
 
 
 def test_bpftrace_program_is_one_bounded_filtered_program() -> None:
-    text = ebpf.bpftrace_program(probes.DEFAULT_PROBES, [4101, 4102], 7.5, seed_tids=[4101, 4105])
+    text = ebpf.bpftrace_program(probes.DEFAULT_PROBES, [4101, 4102], 7.5, min_wait_s=0.025)
     assert text.count("\nBEGIN\n") == 1 and text.count("\nEND\n") == 1
     assert "interval:ms:7500" in text and "exit();" in text
-    assert "/(pid == 4101 || pid == 4102) && @t_live/" in text  # the pid compare comes first
-    assert "interval:ms:7500\n{\n  @t_end = nsecs;\n  delete(@t_live);" in text  # the timer ends the window
-    assert "@oc_tgt[4101] = 1;" in text and "@oc_tgt[4105] = 1;" in text
-    assert "tracepoint:syscalls:sys_enter_futex" in text and "tracepoint:sched:sched_switch" in text
-    assert "__" not in text.replace("__FILTER", "")  # every placeholder filled
+    assert "interval:ms:7500\n{\n  @t_end = nsecs;\n  exit();" in text  # the timer ends the window
+    # every probe's predicate is the tgid filter and nothing else: another process pays one compare
+    attach = re.findall(r"^(tracepoint:\S+) (/.*/)$", text, re.M)
+    assert [a for a, _ in attach] == ["tracepoint:syscalls:sys_enter_futex", "tracepoint:syscalls:sys_exit_futex",
+                                      "tracepoint:sched:sched_switch"]
+    assert {pred for _, pred in attach} == {"/pid == 4101 || pid == 4102/"}
+    assert "next_pid" not in text  # nothing runs on a switch in, where the tgid is not known
+    # aggregated in the kernel: no per-event output, and only waits over the threshold are recorded
+    assert text.count("printf(") == 1 and ">= 25000000" in text and "$used + 25000000" in text
+    assert "waits under 25 ms not recorded" in text.splitlines()[0]
+    assert "__" not in text  # every placeholder filled
     assert "uprobe" not in text  # pylockwait is opt-in
 
 
-def test_bpftrace_program_caps_window_and_seeds() -> None:
-    text = ebpf.bpftrace_program(("offcpu",), [1], 10_000, seed_tids=range(10_000))
+def test_bpftrace_program_caps_window_and_has_a_default_threshold() -> None:
+    text = ebpf.bpftrace_program(("offcpu",), [1], 10_000)
     assert f"interval:ms:{int(ebpf.MAX_WINDOW_S * 1000)}" in text
-    assert len(re.findall(r"@oc_tgt\[\d+\] = 1;", text)) == ebpf.MAX_SEED_TIDS
+    assert ebpf.MIN_WAIT_S == probes.DEFAULT_MIN_WAIT_MS / 1000 == 0.01
+    assert f"$used + {int(ebpf.MIN_WAIT_S * 1e9)}" in text
 
 
 def test_pylockwait_repeats_per_library_and_is_skipped_without_one() -> None:
     libs = ["/usr/lib/libpython3.11.so.1.0", "/opt/py/bin/python3.12"]
     text = ebpf.bpftrace_program(("pylockwait",), [7], 5, libs=libs)
     for lib in libs:
-        assert f"uprobe:{lib}:PyThread_acquire_lock_timed" in text
-        assert f"uretprobe:{lib}:PyThread_acquire_lock_timed" in text
+        assert f"uprobe:{lib}:PyThread_acquire_lock_timed /pid == 7/" in text
+        assert f"uretprobe:{lib}:PyThread_acquire_lock_timed /pid == 7/" in text
     assert "uprobe" not in ebpf.bpftrace_program(("pylockwait",), [7], 5, libs=[])
 
 
 def test_bcc_text_has_bounded_maps_and_the_filter() -> None:
-    text = ebpf.bcc_program(probes.ALL_PROBES, [4101], max_entries=1024)
+    text = ebpf.bcc_program(probes.ALL_PROBES, [4101], max_entries=1024, min_wait_s=0.002)
     assert "TRACEPOINT_PROBE(syscalls, sys_enter_futex)" in text
     assert "TRACEPOINT_PROBE(sched, sched_switch)" in text
     assert "BPF_HASH(fw_wakes, struct fw_key3_t, u64, 1024);" in text
-    assert "(pid == 4101)" in text and "__" not in text.replace("__FILTER", "")
+    assert "__" not in text
+    # each program's first test is the tgid filter
+    assert text.count("if (!(pid == 4101)") == 5
+    assert text.count(">= 2000000") == 3 and "used + 2000000" in text
     for name in TOOLS:  # every map a probe names is declared in its C text
         for m in probes.load_probe(name).MAPS:
             assert f"BPF_HASH({m}," in text
@@ -82,9 +93,10 @@ def test_tool_ebpf_flag_prints_program_without_running(tool: str) -> None:
                        capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert "pid == 4242" in r.stdout and "BEGIN" in r.stdout
-    r = subprocess.run([sys.executable, "-m", f"wedgectl.probes.{tool}", "-p", "4242", "--ebpf", "--backend", "bcc"],
-                       capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert r.returncode == 0 and "BPF_HASH" in r.stdout
+    assert "waits under 10 ms not recorded" in r.stdout
+    r = subprocess.run([sys.executable, "-m", f"wedgectl.probes.{tool}", "-p", "4242", "--ebpf", "--backend", "bcc",
+                        "--min-wait-ms", "50"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 0 and "BPF_HASH" in r.stdout and "50000000" in r.stdout
 
 
 @pytest.mark.parametrize("tool", TOOLS)
@@ -108,12 +120,15 @@ def test_tool_usage_errors_exit_2() -> None:
     r = subprocess.run([sys.executable, str(PROBES / "futexwait.py")], capture_output=True, text=True,
                        timeout=60, cwd=REPO)
     assert r.returncode == 2  # argparse
+    r = subprocess.run([sys.executable, "-m", "wedgectl.probes.futexwait", "-p", "1", "--min-wait-ms", "-1"],
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == probes.EXIT_USAGE and "--min-wait-ms" in r.stderr
 
 
 @pytest.mark.skipif(shutil.which("bpftrace") is None or ebpfhost.find_tracefs() is None or os.geteuid() != 0,
                     reason="needs bpftrace, a mounted tracefs and root to compile")
 def test_generated_program_compiles_with_bpftrace(tmp_path: Path) -> None:
-    text = ebpf.bpftrace_program(probes.ALL_PROBES, [1, 2], 5, [3], [sys.executable])
+    text = ebpf.bpftrace_program(probes.ALL_PROBES, [1, 2], 5, [sys.executable])
     src = tmp_path / "p.bt"
     src.write_text(text)
     r = subprocess.run(["bpftrace", "--emit-elf", str(tmp_path / "p.o"), str(src)], capture_output=True,
@@ -129,8 +144,7 @@ RECORDED = """\
 {"type": "printf", "data": "wedgectl-probe-ready\\n"}
 
 
-{"type": "map", "data": {"@fw_wait_since": {"2473": 2127220708608}}}
-{"type": "map", "data": {"@fw_wait_addr": {"2473": 139687234636704}}}
+{"type": "map", "data": {"@fw_at": {"2473": [2127220708608,139687234636704]}}}
 {"type": "map", "data": {"@fw_wakes": {"0x7f0b7ff4e6f0,2474": 1, "2470,139687234636704,2474": 2}}}
 {"type": "map", "data": {"@t_begin": 2125275819821}}
 garbage line
@@ -140,7 +154,7 @@ garbage line
 def test_parse_bpftrace_output_keys_and_scalars() -> None:
     maps, printed, other = ebpf.parse_bpftrace_output(RECORDED.splitlines())
     assert printed == [ebpf.READY_MARK]
-    assert maps["fw_wait_since"] == {2473: 2127220708608}
+    assert maps["fw_at"] == {2473: [2127220708608, 139687234636704]}  # a tuple value reads as a list
     assert maps["fw_wakes"] == {(0x7F0B7FF4E6F0, 2474): 1, (2470, 139687234636704, 2474): 2}
     assert maps["t_begin"] == 2125275819821
     assert other == ["garbage line"]
@@ -233,34 +247,58 @@ def test_combine_parked_before_attach_uses_exec_start() -> None:
 
 
 def test_combine_wait_begun_in_window_uses_the_tracepoint_and_counts_wakes() -> None:
-    start = {101: _st(101), 102: _st(102)}
-    end = {101: _st(101, addr=0xAA, exec_start=103.0), 102: _st(102)}
+    start = {101: _st(101), 102: _st(102), 103: _st(103), 104: _st(104)}
+    end = {101: _st(101, addr=0xAA, exec_start=103.0, on=500_000_000), 102: _st(102, on=4_900_000_000, rq=100_000_000),
+           103: _st(103), 104: _st(104, addr=0xCC, exec_start=104.5)}
     maps = {
-        "fw_wait_since": {101: 103_000_000_000}, "fw_wait_addr": {101: 0xAA}, "fw_nwaits": {101: 4},
-        "fw_wait_ns": {101: 1_000_000_000},
+        # 101 waits on 0xAA since 103; 103's last wait is over (/proc shows it running); 104's entry is
+        # an older wait on another address (a new one began after the program detached)
+        "fw_at": {101: [103_000_000_000, 0xAA], 103: [101_000_000_000, 0xBB], 104: [101_000_000_000, 0xBB]},
+        "fw_nwaits": {101: 4}, "fw_wait_ns": {101: 1_000_000_000},
         "fw_wakes": {(100, 0xAA, 102): 2, (100, 0xAA, 103): 1, (999, 0xAA, 104): 7},  # another process's 0xAA
         "fw_woken": {(100, 0xAA): 2},
-        "oc_offcpu_ns": {101: 2_000_000_000}, "oc_off_since": {101: 103_000_000_000},
-        "oc_oncpu_ns": {101: 500_000_000, 102: 3_900_000_000}, "oc_runq_ns": {102: 100_000_000},
-        "oc_on_since": {102: 104_000_000_000},
+        "oc_blocked_ns": {101: 2_000_000_000}, "oc_nblocked": {101: 1},
     }
     by = {t.tid: t for t in ebpf.combine("bpftrace", probes.DEFAULT_PROBES, maps, _window(start, end))}
     t = by[101]
     assert t.wait_source == "tracepoint" and not t.parked_throughout
-    assert t.wait_s == pytest.approx(2.0) and t.waits == 4
+    assert t.futex_addr == 0xAA and t.wait_s == pytest.approx(2.0)
+    assert t.waits == 5  # 4 ended over the threshold, and the one in progress has lasted 2 s
     assert t.total_wait_s == pytest.approx(3.0)
     assert t.wakes_on_addr == 3 and t.wakers == (102, 103)
-    assert t.oncpu_s == pytest.approx(0.5) and t.offcpu_s == pytest.approx(4.0)  # 2 s + 2 s still off at the end
+    assert t.oncpu_s == pytest.approx(0.5) and t.offcpu_s == pytest.approx(4.5) and t.runq_s == 0.0
     assert by[102].oncpu_s == pytest.approx(4.9) and by[102].runq_s == pytest.approx(0.1)
+    assert by[102].offcpu_s == pytest.approx(0.0)
+    assert by[103].futex_addr is None and by[103].wait_s is None and by[103].waits == 0
+    assert by[104].futex_addr == 0xCC and by[104].wait_source == "sched" and not by[104].parked_throughout
     table = futexwait.wake_table(maps)
     assert table[0] == WakeCall(pid=999, addr=0xAA, waker=104, calls=7, woken=0)
     assert WakeCall(pid=100, addr=0xAA, waker=102, calls=2, woken=2) in table
 
 
-def test_combine_lost_sched_events_fall_back_to_schedstat() -> None:
+def test_combine_counts_only_waits_over_the_threshold() -> None:
+    start = {101: _st(101)}
+    end = {101: _st(101, addr=0xAA, exec_start=104.995)}
+    maps = {"fw_at": {101: [104_995_000_000, 0xAA]}}  # in a wait for 5 ms at the end of the window
+    w = _window(start, end)
+    (t,) = ebpf.combine("bpftrace", ("futexwait",), maps, w)
+    assert t.wait_source == "tracepoint" and t.wait_s == pytest.approx(0.005) and t.waits == 0
+    (t,) = ebpf.combine("bpftrace", ("futexwait",), maps, dataclasses.replace(w, min_wait_s=0.001))
+    assert t.waits == 1
+
+
+def test_combine_offcpu_long_blocks_without_schedstat() -> None:
+    start = {101: procfs.ThreadSched(pid=100, thread=ThreadSample(tid=101, comm="x", state="S"), cpu=0,
+                                     exec_start_s=None, oncpu_ns=None, runq_ns=None)}
+    maps = {"oc_blocked_ns": {101: 3_000_000_000}, "oc_nblocked": {101: 2}}
+    (t,) = ebpf.combine("bpftrace", ("offcpu",), maps, _window(start, dict(start)))
+    assert (t.oncpu_s, t.offcpu_s, t.runq_s) == (None, 3.0, None)  # a lower bound: the long blocks
+
+
+def test_combine_offcpu_times_are_schedstat_at_the_window_edges() -> None:
     start = {102: _st(102, on=1_000_000_000, rq=0)}
     end = {102: _st(102, on=4_000_000_000, rq=500_000_000)}
-    maps = {"oc_oncpu_ns": {102: 900_000_000}, "oc_lost": {102: 1}}  # a skipped run: the sums are short
+    maps = {"oc_blocked_ns": {102: 100_000_000}}  # shorter than what schedstat leaves: schedstat wins
     (t,) = ebpf.combine("bpftrace", probes.DEFAULT_PROBES, maps, _window(start, end))
     assert (t.oncpu_s, t.runq_s, t.offcpu_s) == (3.0, 0.5, 1.5)
 
@@ -291,10 +329,10 @@ def test_combine_a_thread_that_ran_is_not_parked_throughout() -> None:
 def test_each_probe_parses_only_its_own_maps() -> None:
     start = {101: _st(101, addr=0xAA)}
     w = _window(start, dict(start))
-    maps = {"pl_since": {101: 103_000_000_000}, "pl_lock": {101: 0xAA}, "pl_n": {101: 1}}
+    maps = {"pl_at": {101: [103_000_000_000, 0xAA]}, "pl_n": {101: 1}, "pl_ns": {101: 500_000_000}}
     assert probes.load_probe("pylockwait").thread_fields(maps, w, traced=False) == {}
     (pl,) = probes.load_probe("pylockwait").thread_fields(maps, w, traced=True).values()
-    assert pl == {"pylock_addr": 0xAA, "pylock_waits": 1, "pylock_wait_s": 2.0}
+    assert pl == {"pylock_addr": 0xAA, "pylock_waits": 2, "pylock_wait_s": 2.5}  # one returned, one in progress
     (fw,) = futexwait.thread_fields(maps, w, traced=True).values()
     assert fw["futex_addr"] == 0xAA and fw["waits"] == 0 and "oncpu_s" not in fw
     for name in TOOLS:  # every map a parser reads is one its program declares
@@ -515,7 +553,7 @@ class _Map(dict):
 class BPF:
     def __init__(self, text):
         assert "TRACEPOINT_PROBE(syscalls, sys_enter_futex)" in text
-        self.maps = {"t_begin": _Map(), "oc_tgt": _Map(), "fw_nwaits": _Map({TID: 2}),
+        self.maps = {"t_begin": _Map(), "fw_nwaits": _Map({TID: 2}),
                      "fw_wakes": _Map({(PID, 0xAB, TID): 5})}
     def __getitem__(self, name):
         return self.maps.setdefault(name, _Map())
@@ -535,7 +573,7 @@ def test_bcc_runner_protocol_with_a_stand_in_module(tmp_path: Path, monkeypatch:
         run = ebpf.ProbeRun([target.pid], probes.DEFAULT_PROBES, backend=BackendStatus("bcc", True, "stand-in"),
                             max_s=20).start()
         assert run.backend.name == "bcc", run.failures
-        assert "BPF_HASH(fw_wait_since" in run.program
+        assert "BPF_HASH(fw_at" in run.program
         records, failures = run.stop()
     finally:
         target.kill()

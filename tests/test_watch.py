@@ -36,7 +36,10 @@ def verdict(kind: VerdictKind, confidence: float = 0.9) -> Verdict:
 
 
 def test_hang_classes_are_every_verdict_but_the_serving_and_undecided_ones():
-    assert set(HANG_CLASSES) == {V.ADMISSION_WEDGE, V.ENGINE_DEADLOCK, V.SHUTDOWN_HANG, V.ENGINE_DEAD}
+    assert set(HANG_CLASSES) == {
+        V.ADMISSION_WEDGE, V.ENGINE_DEADLOCK, V.SHUTDOWN_HANG, V.ENGINE_DEAD,
+        V.STARTUP_HANG, V.ORPHANED_ENGINE, V.LEAKED_CAPACITY, V.COLLECTIVE_HANG,
+    }
     assert not any(is_hang(k) for k in (V.IDLE, V.PROGRESSING, V.STARVED, V.INCONCLUSIVE))
 
 

@@ -47,14 +47,16 @@ def diagnose(
     save_bundle: Annotated[Optional[Path], typer.Option("--save-bundle", help="Write the evidence to this directory or .tar.gz.")] = None,
     native: Annotated[bool, typer.Option("--native", help="Native stacks too (py-spy pauses the target briefly).")] = False,
     no_stacks: Annotated[bool, typer.Option("--no-stacks", help="Do not run py-spy.")] = False,
-    ebpf: Annotated[ProbeMode, typer.Option("--ebpf", help="Trace futex waits/wakes and off-CPU time per thread (bcc, else bpftrace, else /proc; see `wedgectl probes`).")] = ProbeMode.AUTO,
+    ebpf: Annotated[ProbeMode, typer.Option("--ebpf", help="Trace futex waits/wakes and off-CPU time per thread (bcc, else bpftrace, else /proc; see `wedgectl probes`): auto attaches them when metrics, /proc and stacks leave a parked engine open; on, for the whole window.")] = ProbeMode.AUTO,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
+    low_priority: Annotated[bool, typer.Option("--low-priority/--same-priority", help="Sample a live server at nice +5 and idle I/O priority, below the server (py-spy and probes inherit it).")] = True,
 ) -> None:
     """Classify a hang from a live server, a log, or a saved bundle.
 
     Exit status: 0 idle/progressing; 10 starved; 11 admission_wedge; 12 engine_deadlock;
-    13 shutdown_hang; 14 engine_dead; 15 inconclusive; 20+ bad input (see README).
+    13 shutdown_hang; 14 engine_dead; 15 inconclusive; 16 startup_hang;
+    17 orphaned_engine; 18 leaked_capacity; 19 collective_hang; 20+ bad input (see README).
     """
     from wedgectl.bundle import read_bundle, write_bundle
     from wedgectl.classify import classify
@@ -68,8 +70,11 @@ def diagnose(
     if bundle is not None:
         b = read_bundle(bundle)
         verdict = classify(b)
+        from wedgectl.classify.collective import rank_summaries
+
         _echo(render_report(verdict, as_json, source=b.manifest.source,
-                            recorded_verdict=b.verdict.verdict.value if b.verdict else None))
+                            recorded_verdict=b.verdict.verdict.value if b.verdict else None,
+                            ranks=rank_summaries(b) or None))
         raise typer.Exit(exitcodes.for_verdict(verdict.verdict))
 
     if pid is None and url is None:
@@ -77,8 +82,10 @@ def diagnose(
 
         b = bundle_from_log(log)
     else:
-        from wedgectl.sampler import SamplerOptions, capture, fatal_problem
+        from wedgectl.sampler import SamplerOptions, capture, fatal_problem, lower_priority
 
+        if low_priority:
+            lower_priority()  # best effort: a refused nice or ioprio changes nothing but the priority
         opts = SamplerOptions(
             window_s=window,
             interval_s=interval,
@@ -93,7 +100,10 @@ def diagnose(
             if save_bundle is not None:
                 write_bundle(b, save_bundle)
             raise problem
-    verdict = classify(b)
+    # Lean copies (wedgectl/judged.py): the same verdict, from the parses the capture already made.
+    from wedgectl.judged import judged_bundle
+
+    verdict = classify(judged_bundle(b))
     from dataclasses import replace
 
     b = replace(b, verdict=verdict)
@@ -107,6 +117,11 @@ def diagnose(
     probe_records = next((s.probes for s in reversed(b.samples) if s.probes), ())
     if probe_records:
         extra["probes"] = list(probe_records)
+    from wedgectl.classify.collective import rank_summaries
+
+    ranks = rank_summaries(b)
+    if ranks:
+        extra["ranks"] = ranks  # one object per Worker: rank, pid, device, CPU, where its stack is
     _echo(render_report(verdict, as_json, **extra))
     raise typer.Exit(exitcodes.for_verdict(verdict.verdict))
 
@@ -160,6 +175,7 @@ def top(
     refresh: Annotated[float, typer.Option("--refresh", help="Seconds between samples.")] = 2.0,
     stacks_every: Annotated[int, typer.Option("--stacks-every", help="py-spy stacks on every Nth refresh (d/D take them at once).")] = 5,
     save_dir: Annotated[Path, typer.Option("--save-dir", help="Folder for bundles saved with the s key.")] = Path("."),
+    low_priority: Annotated[bool, typer.Option("--low-priority/--same-priority", help="Run at nice +5 and idle I/O priority, below the server.")] = True,
 ) -> None:
     """Watch a vLLM deployment and its verdict live; with no target, pick one of the servers found here.
 
@@ -171,6 +187,10 @@ def top(
         raise typer.BadParameter("--bundle replays saved evidence; it takes no --pid or --url")
     if refresh <= 0 or stacks_every < 1:
         raise typer.BadParameter("--refresh must be > 0 and --stacks-every >= 1")
+    if low_priority:
+        from wedgectl.sampler import lower_priority
+
+        lower_priority()
     if bundle is not None:
         source = BundleSource.load(bundle)
     elif pid is not None or url is not None:

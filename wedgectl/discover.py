@@ -86,5 +86,6 @@ def discover(pid: int | None = None, url: str | None = None) -> Deployment:
     if api is not None:
         listening = processes.listening_of(api)
     base = normalise_url(url) if url else base_url_from_listening(listening)
-    log = processes.log_path_of(api) if api is not None else None
+    # An orphaned engine (its API server killed) still writes to the server log it inherited.
+    log = processes.log_path_of(api if api is not None else tree[0].pid)
     return Deployment(tree[0].pid, api, roles, base, metrics_url_for(base) if base else None, log, ticks)

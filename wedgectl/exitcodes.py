@@ -17,6 +17,10 @@ VERDICT_CODES: dict[VerdictKind, int] = {
     VerdictKind.SHUTDOWN_HANG: 13,
     VerdictKind.ENGINE_DEAD: 14,
     VerdictKind.INCONCLUSIVE: 15,
+    VerdictKind.STARTUP_HANG: 16,
+    VerdictKind.ORPHANED_ENGINE: 17,
+    VerdictKind.LEAKED_CAPACITY: 18,
+    VerdictKind.COLLECTIVE_HANG: 19,
 }
 
 # Bad input: the evidence could not be read at all.

@@ -11,9 +11,13 @@ What "no hang" means depends on the hang class the config reproduces:
   are open; the generation's client gets an HTTP error and the server exits,
   both within the shutdown bound, and the upload's connection is closed;
 * starved, progressing: every request completes (HTTP 200);
-* idle: nothing to check before the SIGTERM.
+* idle: nothing to check before the SIGTERM;
+* startup_hang: with a start-up deadline of STARTUP_S, the server fails its
+  start-up by itself, says why in its log, and leaves no process behind;
+* orphaned_engine: SIGKILL to the API server; its EngineCore and Workers exit
+  by themselves within ORPHAN_BOUND_S.
 
-Every config ends with a SIGTERM to the API server; its exit time must be
+Every other config ends with a SIGTERM to the API server; its exit time must be
 within the shutdown bound. Each check is a `Check` with its measured time.
 """
 
@@ -28,7 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from wedgectl.lifecycle import Server, health_client, health_status, signal_server, stop_server, wait_exit
+from wedgectl.collect.processes import is_alive
+from wedgectl.lifecycle import Server, health_client, health_status, log_tail, signal_server, stop_server, wait_exit
 from wedgectl.plugin import SHUTDOWN_S, WATCHDOG_S, patched_env
 from wedgectl.repro import ReproConfig, Workload, scrape_snapshot, start_repro_server, symptom_reached
 
@@ -38,6 +43,12 @@ EXIT_SLACK_S = 0.5  # measurement slack on the SIGTERM -> exit bound
 COMPLETION_BOUND_S = {"starved": 240.0, "progressing": 60.0}
 STREAM_S = 8.0  # how long the healthy control streams
 IDLE_S = 2.0
+# The start-up deadline a patched startup-hang repro runs with: above a healthy start of the tiny
+# model on a loaded 2-core host (~20-40 s idle, up to ~90 s measured under load).
+STARTUP_S = 90.0
+STARTUP_SLACK_S = 60.0  # the API server's own start before its wait begins, and vLLM's teardown
+ORPHAN_BOUND_S = 10.0  # the parent watch polls every 1 s, then gives SIGTERM 5 s before it kills
+STARTUP_FAILED_LINE = "wedge_engine: start-up did not finish within"
 
 # "blocks" / "tokens" / "max_model_len=96": a body that says what was needed and what is available.
 _CAPACITY_WORDS = re.compile(r"block|token|max_model_len", re.IGNORECASE)
@@ -66,6 +77,10 @@ class Observation:
     answered_before_sigterm: int | None = None  # how many of `client` were in before the SIGTERM
     watchdog_s: float = WATCHDOG_S
     shutdown_s: float = SHUTDOWN_S
+    startup_exit_s: float | None = None  # launch -> the API server failed its start-up and exited
+    startup_error_logged: bool = False  # the log says why (STARTUP_FAILED_LINE)
+    left_running: list[int] = field(default_factory=list)  # tree pids alive at the end of the bound
+    orphans_exit_s: float | None = None  # SIGKILL of the API server -> every other process gone
 
 
 @dataclass
@@ -181,8 +196,31 @@ def check_upload_closed(obs: Observation) -> Check:
                  else "the half-sent upload's connection is still open")
 
 
+def check_startup_failed(obs: Observation) -> Check:
+    bound = STARTUP_S + STARTUP_SLACK_S
+    if obs.startup_exit_s is None:
+        return Check("start-up deadline", False, f"the server was still starting {bound:g} s after launch")
+    ok = obs.startup_error_logged and not obs.left_running
+    what = "said why in its log" if obs.startup_error_logged else f"did not log {STARTUP_FAILED_LINE!r}"
+    left = f"; pids {' '.join(map(str, obs.left_running))} outlived it" if obs.left_running else "; nothing left running"
+    return Check("start-up deadline", ok, f"the server failed its start-up {obs.startup_exit_s:.1f} s after launch "
+                                          f"(deadline {STARTUP_S:g} s), {what}{left}", obs.startup_exit_s)
+
+
+def check_orphans_exit(obs: Observation) -> Check:
+    if obs.orphans_exit_s is None:
+        return Check("engine exits with its API server", False, f"pids {' '.join(map(str, obs.left_running))} "
+                     f"still ran {ORPHAN_BOUND_S:g} s after the API server was SIGKILLed")
+    return Check("engine exits with its API server", True, f"every engine process exited {obs.orphans_exit_s:.1f} s "
+                 f"after the API server was SIGKILLed (bound {ORPHAN_BOUND_S:g} s)", obs.orphans_exit_s)
+
+
 def evaluate(expected: str, obs: Observation) -> list[Check]:
     """The no-hang checks for a config reproducing `expected` (a VerdictKind value)."""
+    if expected == "startup_hang":
+        return [check_startup_failed(obs)]
+    if expected == "orphaned_engine":
+        return [check_orphans_exit(obs)]
     checks: list[Check] = []
     if expected == "admission_wedge":
         checks.append(check_errors_within(obs, ADMISSION_BOUND_S, "clear error", need_capacity=True))
@@ -236,13 +274,17 @@ def run_patched(
     extra_env: dict[str, str] | None = None,
 ) -> PatchedResult:
     """Start the config's server with the fixes on, drive its workload, check that nothing hangs, SIGTERM it."""
-    env = {**cfg.env, **patched_env(), **(extra_env or {})}
+    env = {**cfg.env, **patched_env(), **({"WEDGE_ENGINE_STARTUP_S": f"{STARTUP_S:g}"} if cfg.expected == "startup_hang" else {}),
+           **(extra_env or {})}
     obs = Observation(watchdog_s=float(env["WEDGE_ENGINE_WATCHDOG_S"]), shutdown_s=float(env["WEDGE_ENGINE_SHUTDOWN_S"]))
     out_dir = out_dir or Path.cwd() / "wedgectl-repro" / f"{cfg.name}-patched"
     server, log_path = start_repro_server(cfg, env, python, out_dir, progress, label="patched vLLM")
     notes: list[str] = []
     workload = Workload(server.url, cfg, hold_s=max(120.0, COMPLETION_BOUND_S.get(cfg.expected, 0) + 30))
     try:
+        if cfg.expected in ("startup_hang", "orphaned_engine"):
+            _check_lifecycle(cfg, server, obs, progress)
+            return _patched_result(cfg, server, log_path, obs, workload, out_dir, notes)
         _drive(cfg, server, workload, obs, progress, notes)
         if cfg.stream is not None:
             # Let the healthy stream's requests in flight complete, so the SIGTERM meets a quiet server.
@@ -265,12 +307,45 @@ def run_patched(
     finally:
         stop_server(server, grace=5)
         workload.stop(join_s=2.0)
+    return _patched_result(cfg, server, log_path, obs, workload, out_dir, notes)
+
+
+def _patched_result(cfg: ReproConfig, server: Server, log_path: Path, obs: Observation, workload: Workload,
+                    out_dir: Path, notes: list[str]) -> PatchedResult:
     obs.client = list(workload.results)
     checks = evaluate(cfg.expected, obs)
     (out_dir / "client.json").write_text(json.dumps(obs.client, indent=2))
     result = PatchedResult(cfg, checks, obs, server.pid, server.url, log_path, notes)
     (out_dir / "patched.json").write_text(json.dumps(result.to_json(), indent=2))
     return result
+
+
+def _check_lifecycle(cfg: ReproConfig, server: Server, obs: Observation, progress: Callable[[str], None]) -> None:
+    """startup_hang: wait for the server to fail its own start-up; orphaned_engine: SIGKILL the API
+    server once healthy and time its engine's exit. Whatever is left is stopped by the caller."""
+    if cfg.expected == "startup_hang":
+        progress(f"waiting for the start-up deadline ({STARTUP_S:g} s)")
+        tree: tuple[int, ...] = ()
+        while server.popen.poll() is None and time.time() - server.started_at < STARTUP_S + STARTUP_SLACK_S:
+            tree = tuple(sorted(set(tree) | set(server.tree_pids())))
+            time.sleep(0.5)
+        if server.popen.poll() is not None:
+            obs.startup_exit_s = round(time.time() - server.started_at, 1)
+        obs.startup_error_logged = STARTUP_FAILED_LINE in log_tail(server.log_path, 400)
+        deadline = time.monotonic() + ORPHAN_BOUND_S
+        while any(is_alive(p) for p in tree[1:]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        obs.left_running = [p for p in tree[1:] if is_alive(p)]
+        return
+    tree = server.tree_pids()
+    progress(f"sending SIGKILL to the API server pid {server.pid}")
+    t_sig = time.monotonic()
+    signal_server(server, signal.SIGKILL)
+    while time.monotonic() - t_sig < ORPHAN_BOUND_S and any(is_alive(p) for p in tree[1:]):
+        time.sleep(0.1)
+    obs.left_running = [p for p in tree[1:] if is_alive(p)]
+    if not obs.left_running:
+        obs.orphans_exit_s = round(time.monotonic() - t_sig, 2)
 
 
 def _drive(cfg: ReproConfig, server: Server, workload: Workload, obs: Observation,

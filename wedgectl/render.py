@@ -129,9 +129,24 @@ def render_report(verdict: Verdict, as_json: bool, expected: str | None = None, 
     for f in extra.get("collector_failures") or ():
         yield from textwrap.wrap(redact_text(f"could not read: {f['collector']} {f['kind']}: {f['message']}")[:300],
                                  WIDTH, subsequent_indent="    ")
+    yield from render_ranks(extra.get("ranks") or ())
     for key, value in extra.items():
         if value is not None and key in ("bundle", "log", "pid", "url"):
             yield redact_text(f"{key}: {value}")
+
+
+def render_ranks(ranks: Sequence[dict[str, Any]]) -> Iterator[str]:
+    """The Workers of a parallel deployment, one line each: rank, pid, device, CPU, where its stack is."""
+    if len(ranks) < 2:
+        return
+    yield ""
+    yield "Ranks"
+    for r in ranks:
+        cpu = "-" if r.get("cpu_cores") is None else f"{r['cpu_cores']:.2f}"
+        head = f"  {str(r.get('label'))[:12]:<12} pid {r.get('pid'):<7} {str(r.get('device'))[:8]:<8} {cpu:>5} cores  {r.get('where')}"
+        yield head[:WIDTH]
+        frame = redact_text(f"{r.get('kind')}: {r.get('frame') or '?'}" + (" (stayed put)" if r.get("stuck") else ""))
+        yield "      " + (frame if len(frame) <= WIDTH - 6 else frame[: WIDTH - 9] + "...")
 
 
 def failure_summary(bundle: Bundle, most: int = 6) -> list[dict[str, Any]]:

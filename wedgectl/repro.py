@@ -26,13 +26,15 @@ from wedgectl.lifecycle import (
     detach,
     free_port,
     health_client,
+    health_status,
+    launch,
     signal_server,
     start_detached,
     stop_server,
 )
 from wedgectl.metrics import MetricsParseError, MetricsSnapshot, parse_metrics
 from wedgectl.plugin import FIXES_ENV, ensure_engine_plugin
-from wedgectl.types import Verdict
+from wedgectl.types import Role, Verdict
 
 REPROS_DIR = Path(__file__).with_name("repros")
 
@@ -52,6 +54,7 @@ class RequestSpec:
     count: int = 1
     after_generated: int = 0  # send once vllm:generation_tokens_total reaches this
     stalled_upload: bool = False  # send the headers and part of the body, then hold the socket
+    disconnect_after_s: float = 0.0  # > 0: the client gives up after this long and closes its connection
 
     def body(self, index: int = 0) -> dict[str, Any]:
         if self.prompt is not None:
@@ -90,9 +93,15 @@ class ReproConfig:
     until: str = "idle"
     timeout_s: float = 60.0
     settle_s: float = 3.0
+    log_marker: str | None = None  # until "starting": a line the log must hold before its quiet counts
     shutdown_signal: str | None = None
     shutdown_after_s: float = 3.0
     path: Path | None = None
+    # The clients run in a process of their own (wedgectl._hold), as real clients do: wedgectl
+    # leaves its own sockets out of a server's client-connection count, so in-process clients would
+    # read as requests with no client behind them (leaked_capacity).
+    separate_clients: bool = True
+    health_timeout_s: float = 180.0  # compiled mode (torch.compile warm-up) on a loaded host needs more
 
     @property
     def faults(self) -> tuple[str, ...]:
@@ -117,9 +126,12 @@ def load_config(path: Path) -> ReproConfig:
             until=symptom.get("until", "idle"),
             timeout_s=float(symptom.get("timeout_s", 60)),
             settle_s=float(symptom.get("settle_s", 3)),
+            log_marker=symptom.get("log_marker"),
             shutdown_signal=shutdown.get("signal"),
             shutdown_after_s=float(shutdown.get("after_s", 3)),
             path=path,
+            separate_clients=bool(workload.get("separate_process", True)),
+            health_timeout_s=float(server.get("health_timeout_s", 180)),
         )
     except (KeyError, TypeError, ValueError, tomllib.TOMLDecodeError) as exc:
         raise ReproError(f"{path}: bad repro config: {exc}") from None
@@ -158,24 +170,27 @@ class Workload:
         self._sent: set[RequestSpec] = set()
         self._sockets: list[socket.socket] = []
 
-    def _client(self) -> httpx.Client:
+    def _client(self, hold_s: float | None = None) -> httpx.Client:
         # trust_env=False: the server is local; a proxy from the environment must not carry these.
-        c = httpx.Client(timeout=httpx.Timeout(self.hold_s, connect=5.0), trust_env=False)
+        c = httpx.Client(timeout=httpx.Timeout(hold_s or self.hold_s, connect=5.0), trust_env=False)
         with self._lock:
             self._clients.append(c)
         return c
 
-    def _send(self, body: dict[str, Any]) -> None:
+    def _send(self, body: dict[str, Any], give_up_s: float = 0.0) -> None:
         t0 = time.monotonic()
         result: dict[str, Any] = {"max_tokens": body["max_tokens"]}
+        client = self._client(give_up_s or None)
         try:
-            r = self._client().post(f"{self.base_url}/v1/completions", json=body)
+            r = client.post(f"{self.base_url}/v1/completions", json=body)
             result.update(status=r.status_code, body=r.text[:400])
             if r.status_code == 200:
                 usage = r.json().get("usage", {})
                 result["completion_tokens"] = usage.get("completion_tokens")
         except (httpx.HTTPError, ValueError, RuntimeError) as exc:
             result["error"] = f"{type(exc).__name__}: {exc}"[:200]
+        if give_up_s:
+            client.close()  # the client is gone: its connection closes, vLLM sees the disconnect
         result["elapsed_s"] = round(time.monotonic() - t0, 3)
         with self._lock:
             self.results.append(result)
@@ -208,7 +223,7 @@ class Workload:
             if spec.stalled_upload:
                 self._stalled_upload(spec.body(i))
             else:
-                self._spawn(self._send, spec.body(i))
+                self._spawn(self._send, spec.body(i), spec.disconnect_after_s)
 
     def start_now(self) -> None:
         for spec in self.cfg.requests:
@@ -306,6 +321,36 @@ def symptom_reached(until: str, history: list[tuple[float, MetricsSnapshot]], se
     raise ReproError(f"unknown symptom {until!r}")
 
 
+def startup_stalled(client: httpx.Client, server: Server, log_path: Path, marker: str | None) -> bool:
+    """A server stuck starting: alive, /health not 200, its log holding `marker` (ReproError if it
+    exited or became healthy: then there is no start-up hang to diagnose)."""
+    if server.popen.poll() is not None:
+        raise ReproError(f"the server exited during start-up (log {log_path})")
+    if health_status(client, server.url) == 200:
+        raise ReproError("the server became healthy: no start-up hang")
+    try:
+        return marker is None or marker in log_path.read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def surviving_pid(server: Server, tree: tuple[int, ...]) -> int | None:
+    """Once the API server died, a pid of what outlived it: a Worker if one lives (diagnose must
+    find the whole orphaned deployment from any of its pids), else an EngineCore; None if it lives."""
+    if server.popen.poll() is None:
+        return None
+    from wedgectl.discover import tree_roles
+
+    found: dict[int, Role] = {}
+    for pid in tree[1:]:
+        found.update(tree_roles(pid))
+    for role in (Role.WORKER, Role.ENGINE_CORE):
+        pid = next((p for p, r in found.items() if r is role), None)
+        if pid is not None:
+            return pid
+    return None
+
+
 # ------------------------------------------------------------------ the run
 
 
@@ -347,7 +392,13 @@ def start_repro_server(
     described = ", ".join(f"{k}={v}" for k, v in env.items()) or "no fault"
     progress(f"starting {label} ({' '.join(cfg.flags) or 'default flags'}; {described})")
     t0 = time.monotonic()
-    server = start_server(spec, py, log_path)
+    if cfg.until == "starting":  # a server that never becomes healthy: do not wait for /health
+        from wedgectl.runtime.launcher import server_command
+
+        server = launch(server_command(spec, py, log_path))
+        progress(f"server pid {server.pid} launched; not waiting for /health")
+        return server, log_path
+    server = start_server(spec, py, log_path, health_timeout=cfg.health_timeout_s)
     progress(f"server pid {server.pid} healthy at {server.url} after {time.monotonic() - t0:.0f} s")
     return server, log_path
 
@@ -374,20 +425,29 @@ def run_repro(
     bundle_path: Path | None = None
     symptom_s: float | None = None
     try:
-        if keep:
+        if keep or cfg.separate_clients:
             # The clients must outlive wedgectl, or vLLM aborts their requests and the hang is gone.
             holder = start_detached([sys.executable, "-m", "wedgectl._hold", server.url, str(server.pid),
                                      str(cfg.path), str(out_dir / "client.json")])
         else:
             workload.start_now()
         history: list[tuple[float, MetricsSnapshot]] = []
+        marked: float | None = None
         start = time.monotonic()
         with health_client() as client:
             while time.monotonic() - start < cfg.timeout_s:
+                if cfg.until == "starting":  # settle_s counts from the marker's first sight
+                    if startup_stalled(client, server, log_path, cfg.log_marker):
+                        marked = marked or time.monotonic()
+                        if time.monotonic() - marked >= cfg.settle_s:
+                            symptom_s = time.monotonic() - start
+                            break
+                    time.sleep(0.5)
+                    continue
                 snap = scrape_snapshot(client, server.url)
                 if snap is not None:
                     history.append((time.monotonic(), snap))
-                    all_sent = keep or workload.start_later(snap.generation_tokens or 0)
+                    all_sent = holder is not None or workload.start_later(snap.generation_tokens or 0)
                     if symptom_reached(cfg.until, history, cfg.settle_s) and all_sent:
                         symptom_s = time.monotonic() - start
                         break
@@ -397,17 +457,20 @@ def run_repro(
             progress(notes[-1])
         else:
             progress(f"symptom {cfg.until!r} established after {symptom_s:.1f} s")
+        target = server.pid
         if cfg.shutdown_signal:
             sig = getattr(signal, cfg.shutdown_signal)
+            tree = server.tree_pids()
             progress(f"sending {cfg.shutdown_signal} to the API server pid {server.pid}")
             signal_server(server, sig)
             time.sleep(cfg.shutdown_after_s)
-        progress("diagnosing")
-        bundle = capture(pid=server.pid, log_path=str(log_path), options=SamplerOptions(window_s=window_s, progress=progress))
+            target = surviving_pid(server, tree) or server.pid
+        progress("diagnosing" + (f" from surviving pid {target}" if target != server.pid else ""))
+        bundle = capture(pid=target, log_path=str(log_path), options=SamplerOptions(window_s=window_s, progress=progress))
         verdict = classify(bundle)
         bundle = replace(bundle, verdict=verdict)
         bundle_path = write_bundle(bundle, out_dir / "bundle.tar.gz")
-        if not keep:
+        if holder is None:
             (out_dir / "client.json").write_text(json.dumps(workload.results, indent=2))
     finally:
         if keep:
@@ -419,7 +482,7 @@ def run_repro(
             elapsed = stop_server(server, grace=5)
             notes.append(f"teardown took {elapsed:.1f} s")
     results = list(workload.results)
-    if keep and (out_dir / "client.json").exists():
+    if holder is not None and (out_dir / "client.json").exists():
         try:
             results = json.loads((out_dir / "client.json").read_text())
         except (OSError, ValueError):

@@ -1,22 +1,29 @@
 """Live capture: samples of metrics, processes, threads and stacks over a window, into a Bundle.
 
 The sampler feeds the same `classify` as a saved bundle (one code path for
-live and recorded evidence) and stops early once the verdict is certain.
+live and recorded evidence). It takes the cheapest decisive evidence first and
+asks the classifier after every sample, stopping once the verdict is certain;
+the escalation order is in docs/design.md ("How a capture escalates").
 """
 
 from __future__ import annotations
 
+import os
+import platform
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 
 from wedgectl import __version__
 from wedgectl.classify import classify
 from wedgectl.collect import processes, pyspy
-from wedgectl.collect.scrape import probe_health, scrape_metrics
+from wedgectl.collect.scrape import Scraper
 from wedgectl.discover import Deployment, discover, tree_roles
 from wedgectl.errors import BadMetrics, NoSuchProcess, Unreachable, WedgectlError
+from wedgectl.judged import judged_sample
 from wedgectl.metrics import MetricsParseError, parse_metrics
 from wedgectl.redact import redact_url
 from wedgectl.sources import host_facts, read_log_lines
@@ -30,26 +37,58 @@ from wedgectl.types import (
     Sample,
     StackDump,
     Target,
+    Verdict,
     VerdictKind,
 )
 
 CERTAIN = 0.9
 EXITED_NOTE = "the deployment exited mid-capture"
 LOG_TAIL_BYTES = 4 << 20
+DECIDE_LOG_BYTES = 256 << 10  # the tail the in-window verdicts read (read once); the bundle gets LOG_TAIL_BYTES
 BURST_GAP_S = 0.03
+ESCALATE_BURST = 3  # dumps of the EngineCore and each Worker once the cheap evidence leaves a hang open
+# Verdicts whose certainty can rest on how long a main thread sat parked: what the probes measure.
+PARKED_CLASSES = frozenset({VerdictKind.ENGINE_DEADLOCK, VerdictKind.COLLECTIVE_HANG})
+PROBE_MIN_S = 2.0  # attach the probes only with at least this much window left: they need a window to see waits
+NICE = 5  # below a default-priority server (CFS weight 335 against 1024) while still getting a share on a saturated host
 
 
 @dataclass(frozen=True)
 class SamplerOptions:
-    window_s: float = 6.0
+    window_s: float = 6.0  # the longest a capture runs when no verdict becomes certain
     interval_s: float = 1.0
-    min_window_s: float = 3.0  # never decide on less: counter deltas need time
+    min_window_s: float = 0.0  # stop no sooner (the classifier's thresholds decide when evidence is enough)
     stacks: bool = True
     native: bool = False
     ebpf: str = "off"
-    scrape_timeout_s: float = 2.0
-    stack_burst: int = 8  # dumps of each engine process at the end of the window
+    # A saturated API server answers /metrics in seconds: a scrape has this long, and the
+    # sampling clock does not wait for it (the next sample starts on time; see _capture).
+    scrape_timeout_s: float = 4.0
+    stack_burst: int = ESCALATE_BURST  # dumps of each engine process once a hang is open
     progress: Callable[[str], None] | None = None
+
+
+def lower_priority(nice: int = NICE) -> list[str]:
+    """Run below the server we look at: nice +`nice` and the idle I/O class (py-spy and bpftrace
+    inherit both). What could not be lowered is returned, not raised."""
+    problems = []
+    try:
+        os.nice(nice)
+    except OSError as exc:
+        problems.append(f"nice: {exc.strerror or exc}")
+    nr = _IOPRIO_SET.get(platform.machine())
+    if nr is None:
+        return problems + ["ioprio: no syscall number for this machine"]
+    import ctypes  # only here: its import costs more than the syscall
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    # ioprio_set(IOPRIO_WHO_PROCESS, 0 = this process, IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT)
+    if libc.syscall(nr, 1, 0, 3 << 13) != 0:
+        problems.append(f"ioprio: {os.strerror(ctypes.get_errno())}")
+    return problems
+
+
+_IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "arm64": 30, "ppc64le": 273, "s390x": 282, "riscv64": 30}
 
 
 def _collect_processes(dep: Deployment) -> tuple[tuple[ProcessSample, ...], list[CollectorFailure]]:
@@ -86,32 +125,44 @@ def _collect_stacks(procs: tuple[ProcessSample, ...], native: bool, burst: int =
     return dumps, failures
 
 
-def take_sample(dep: Deployment, with_stacks: bool, options: SamplerOptions, burst: int = 1) -> Sample:
-    """One Sample; collectors run side by side so a slow one does not skew the others' clock."""
-    t = time.time()
-    failures: list[CollectorFailure] = []
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        fut_metrics = pool.submit(scrape_metrics, dep.metrics_url, options.scrape_timeout_s) if dep.metrics_url else None
-        fut_health = pool.submit(probe_health, dep.base_url, options.scrape_timeout_s) if dep.base_url else None
-        procs, proc_failures = _collect_processes(dep) if dep.root_pid is not None else ((), [])
-        metrics = fut_metrics.result() if fut_metrics else None
-        health_status, health_error = fut_health.result() if fut_health else (None, None)
-    failures.extend(proc_failures)
-    if metrics is not None and not metrics.ok:
-        failures.append(CollectorFailure("metrics", FailureKind.UNREACHABLE, metrics.error or f"HTTP {metrics.status}", dep.metrics_url or ""))
-    stacks: tuple[StackDump, ...] = ()
-    if with_stacks and procs:
-        stacks, stack_failures = _collect_stacks(procs, options.native, burst)
-        failures.extend(stack_failures)
-    return Sample(
-        t=t,
-        metrics=metrics,
-        health_status=health_status,
-        health_error=health_error,
-        processes=procs,
-        stacks=stacks,
-        failures=tuple(failures),
-    )
+def take_sample(dep: Deployment, with_stacks: bool, options: SamplerOptions, burst: int = 1,
+                scraper: Scraper | None = None) -> Sample:
+    """One Sample; collectors run side by side so a slow one does not skew the others' clock.
+    ``scraper``: the run's HTTP client (one per diagnose or top session); without one, a
+    client is built for this sample."""
+    if scraper is None:
+        with Scraper(options.scrape_timeout_s) as own:
+            return take_sample(dep, with_stacks, options, burst, own)
+    return _begin(dep, scraper, options, burst if with_stacks else 0).sample(dep)
+
+
+def _background(jobs: dict[str, Callable[[], object]]) -> Future:
+    """Run each job in its own daemon thread; the future gives {name: result} once all are done.
+
+    Daemon threads, not an executor: a scrape still in flight when the capture stops is
+    abandoned (it ends within the scrape timeout) and must not hold the exit. The jobs are
+    collectors, which never raise; a bug in one still resolves the future, with None."""
+    done: Future = Future()
+    got: dict[str, object] = {}
+    lock = threading.Lock()
+
+    def run(key: str, fn: Callable[[], object]) -> None:
+        value = None
+        try:
+            value = fn()
+        except Exception:  # noqa: BLE001 - a collector bug: the sample goes on without that part
+            value = None
+        finally:
+            with lock:
+                got[key] = value
+                if len(got) == len(jobs):
+                    done.set_result(dict(got))
+
+    if not jobs:
+        done.set_result({})
+    for key, fn in jobs.items():
+        threading.Thread(target=run, args=(key, fn), daemon=True, name=f"wedgectl-{key}").start()
+    return done
 
 
 def _summarise(s: Sample) -> str:
@@ -129,36 +180,55 @@ def _summarise(s: Sample) -> str:
     return ", ".join(parts) or "no data"
 
 
-def _read_log(path: str | None) -> tuple[tuple[str, ...], list[str]]:
+def _read_log(path: str | None, max_bytes: int = LOG_TAIL_BYTES) -> tuple[tuple[str, ...], list[str]]:
     if not path:
         return (), []
     try:
-        return read_log_lines(path, max_bytes=LOG_TAIL_BYTES)
+        return read_log_lines(path, max_bytes=max_bytes)
     except WedgectlError as exc:
         return (), [f"log not read: {exc}"]
 
 
 def capture(pid: int | None = None, url: str | None = None, log_path: str | None = None,
             options: SamplerOptions = SamplerOptions()) -> Bundle:
-    """Sample the target over the window and return the bundle (verdict not set)."""
+    """Sample the target until the verdict is certain or the window ends; the bundle (verdict not set)."""
     dep = discover(pid=pid, url=url)
-    # --- eBPF probes (wedgectl/collect/ebpf.py): one bounded run across the whole window,
-    # detached in the finally whatever ends the capture; the results go on the last sample.
-    probe_run = _start_probes(dep, options)
+    # --- eBPF probes (wedgectl/collect/ebpf.py): one bounded run, from the start with --ebpf on,
+    # from the escalation step with auto; detached in the finally whatever ends the capture; the
+    # results go on the last sample.
+    probes = _Probes(dep, options)
     try:
-        bundle = _capture(dep, pid, url, log_path, options)
+        if options.ebpf == "on":
+            probes.start(options.window_s)
+        with Scraper(options.scrape_timeout_s) as scraper:
+            bundle = _capture(dep, pid, url, log_path, options, scraper, probes)
     finally:
-        probe_records, probe_failures = probe_run.stop() if probe_run is not None else ((), ())
+        probe_records, probe_failures = probes.stop()
     return _with_probes(bundle, probe_records, probe_failures)
 
 
-def _start_probes(dep: Deployment, options: SamplerOptions):
+class _Probes:
+    """At most one probe run per capture, started when the escalation asks for it."""
+
+    def __init__(self, dep: Deployment, options: SamplerOptions) -> None:
+        self.dep, self.options, self.run, self.started = dep, options, None, False
+
+    def start(self, max_s: float) -> None:
+        if not self.started:
+            self.started = True
+            self.run = _start_probes(self.dep, self.options, max_s)
+
+    def stop(self) -> tuple[tuple, tuple]:
+        return self.run.stop() if self.run is not None else ((), ())
+
+
+def _start_probes(dep: Deployment, options: SamplerOptions, max_s: float | None = None):
     """options.ebpf "auto"/"on": start the probes on the deployment's pids; None for "off" or no pid."""
     if options.ebpf == "off" or dep.root_pid is None:
         return None
     from wedgectl.collect import ebpf
 
-    run = ebpf.start_probes(dep.pids, options.ebpf, max_s=options.window_s + 10.0)
+    run = ebpf.start_probes(dep.pids, options.ebpf, max_s=(options.window_s if max_s is None else max_s) + 10.0)
     if run is not None and options.progress:
         options.progress(f"probes: {run.backend.name} ({run.backend.reason})")
     return run
@@ -173,8 +243,91 @@ def _with_probes(bundle: Bundle, records: tuple, failures: tuple) -> Bundle:
 # --- end eBPF probes
 
 
+@dataclass(frozen=True)
+class Step:
+    """What the next sample takes, decided from the verdict so far (see docs/design.md,
+    "How a capture escalates"): stop, or sample on with or without a stack burst and probes."""
+
+    stop: bool
+    burst: int = 0  # 0: no stacks; 1: one dump per process; more: a burst of the engine's processes
+    probes: bool = False
+    why: str = ""
+
+
+def next_step(verdict: Verdict, n_samples: int, elapsed_s: float, options: SamplerOptions,
+              burst_taken: bool, probes_started: bool) -> Step:
+    """The escalation, as a pure function of the verdict so far.
+
+    Cheapest decisive evidence first: two scrapes a second apart, /proc and one dump per
+    process decide most states (counters moving, nothing in flight, a closed listener). A
+    verdict the classifier is not certain of gets a burst of the EngineCore's and Workers'
+    stacks on the next sample (where the engine spends its time); a parked-engine class still
+    open after that gets the probes (how long main threads sit parked), with --ebpf auto and
+    window left for them to see a wait. The classifier decides certainty; its thresholds
+    (MIN_FROZEN_S) keep a slow step, a long prefill or a saturated server from being called
+    stuck on a short window."""
+    if n_samples < 2:  # one scrape says nothing about movement
+        return Step(False)
+    certain = verdict.confidence >= CERTAIN
+    if certain and elapsed_s >= options.min_window_s:
+        return Step(True, why="verdict certain")
+    if elapsed_s + options.interval_s > options.window_s:
+        return Step(True, why="window over")
+    if not options.stacks or certain:
+        return Step(False)
+    if not burst_taken:
+        return Step(False, burst=options.stack_burst, why=f"{verdict.verdict.value} ({verdict.confidence:.2f}) not certain: stack burst")
+    left = options.window_s - elapsed_s
+    if (verdict.verdict in PARKED_CLASSES and options.ebpf == "auto" and not probes_started and left >= PROBE_MIN_S):
+        return Step(False, probes=True, why=f"{verdict.verdict.value} not certain: probes for the {left:.0f} s left")
+    return Step(False)
+
+
+@dataclass
+class _Pending:
+    """A sample whose /proc reading is taken and whose scrape and stack dumps may still run."""
+
+    t: float
+    procs: tuple[ProcessSample, ...]
+    failures: list[CollectorFailure]
+    rest: Future  # {"metrics": MetricsScrape, "health": (status, error), "stacks": (dumps, failures)}
+    burst: int = 0
+
+    def sample(self, dep: Deployment) -> Sample:
+        rest = self.rest.result()
+        metrics = rest.get("metrics")
+        health_status, health_error = rest.get("health") or (None, None)
+        stacks, stack_failures = rest.get("stacks") or ((), [])
+        failures = [*self.failures, *stack_failures]
+        if metrics is not None and not metrics.ok:
+            failures.append(CollectorFailure("metrics", FailureKind.UNREACHABLE, metrics.error or f"HTTP {metrics.status}", dep.metrics_url or ""))
+        return Sample(t=self.t, metrics=metrics, health_status=health_status, health_error=health_error,
+                      processes=self.procs, stacks=stacks, failures=tuple(failures))
+
+
+def _begin(dep: Deployment, scraper: Scraper, options: SamplerOptions, burst: int) -> _Pending:
+    """Start one sample: /proc now (its instant is the sample's time), then the scrape and the
+    stack dumps in the background, so a slow server or py-spy does not hold the sampling clock."""
+    t = time.time()
+    jobs: dict[str, Callable[[], object]] = {}
+    if dep.metrics_url:
+        jobs["metrics"] = lambda: scraper.metrics(dep.metrics_url, options.scrape_timeout_s)
+    if dep.base_url:
+        jobs["health"] = lambda: scraper.health(dep.base_url, options.scrape_timeout_s)
+    procs: tuple[ProcessSample, ...] = ()
+    failures: list[CollectorFailure] = []
+    if dep.root_pid is not None:
+        procs, failures = _collect_processes(dep)
+        if burst and procs:
+            jobs["stacks"] = lambda: _collect_stacks(procs, options.native, burst)
+    return _Pending(t, procs, list(failures), _background(jobs), burst if "stacks" in jobs else 0)
+
+
+MAX_IN_FLIGHT = 2  # scrapes of a slow server overlapping on the sampling clock
+
+
 def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | None,
-             options: SamplerOptions) -> Bundle:
+             options: SamplerOptions, scraper: Scraper, probes: _Probes) -> Bundle:
     say = options.progress or (lambda _msg: None)
     if dep.root_pid is not None:
         say(f"deployment: {', '.join(f'{p} {r.value}' for p, r in dep.roles.items())}; "
@@ -192,33 +345,61 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
         target=Target(pid=pid, url=redact_url(dep.base_url), log_path=log_path, pids=dep.pids),
         host=host_facts(),
     )
+    # The in-window verdicts read one tail of the log, read once; the bundle gets the longer tail.
+    decide_log = _read_log(log_path, DECIDE_LOG_BYTES)[0]
     samples: list[Sample] = []
+    judged: list[Sample] = []  # lean copies: the classifier re-reads every scrape after each sample
+    pending: deque[_Pending] = deque()
     start = time.monotonic()
-    n = 0
-    while True:
-        elapsed = time.monotonic() - start
-        last = elapsed + options.interval_s > options.window_s
-        # Stacks on the first and the final sample: enough to see where threads sit, cheap on the target.
-        with_stacks = options.stacks and (n == 0 or last)
-        sample = take_sample(dep, with_stacks, options, burst=options.stack_burst if last else 1)
-        samples.append(sample)
-        n += 1
-        if dep.root_pid is not None and not sample.processes:
-            notes.append(EXITED_NOTE)
-            say("the deployment exited mid-capture")
-            break
-        log_lines, _ = _read_log(log_path) if log_path else ((), [])
-        verdict = classify(Bundle(manifest, tuple(samples), log_lines))
-        say(f"sample {n} at {elapsed:4.1f}s: {_summarise(sample)} -> {verdict.verdict.value} ({verdict.confidence:.2f})")
-        if last:
-            break
-        if elapsed >= options.min_window_s and verdict.confidence >= CERTAIN:
-            if options.stacks:
-                samples.append(take_sample(dep, True, options, burst=options.stack_burst))
-            say("verdict certain; stopping early")
-            break
-        time.sleep(max(0.0, options.interval_s - (time.monotonic() - start - elapsed)))
-    log_lines, log_notes = _read_log(log_path)
+    due = start
+    burst = 1 if options.stacks else 0  # the first sample: one dump of every Python process
+    burst_asked = burst_taken = stop = False  # the engine's stack burst: asked for, then in the evidence
+    while not stop:
+        now = time.monotonic()
+        if now >= due and len(pending) < MAX_IN_FLIGHT:
+            pending.append(_begin(dep, scraper, options, burst))
+            burst = 0
+            due += options.interval_s
+            if due < time.monotonic():  # a slow /proc or py-spy: skip the missed ticks, do not bunch them
+                due = time.monotonic() + options.interval_s
+        if not pending:
+            time.sleep(max(0.0, due - time.monotonic()))
+            continue
+        # Wait for the oldest scrape, or until the next sample is due when another may start.
+        room = len(pending) < MAX_IN_FLIGHT
+        wait([pending[0].rest], timeout=max(0.0, due - time.monotonic()) if room else None)
+        while pending and pending[0].rest.done():
+            done = pending.popleft()
+            sample = done.sample(dep)
+            samples.append(sample)
+            burst_taken = burst_taken or done.burst > 1
+            if len(samples) == 1 and not pending:
+                # Count the interval from the first answer, not the first request: the first scrape
+                # also connects, and the span the classifier needs is measured between answers.
+                due = time.monotonic() + options.interval_s
+            elapsed = sample.t - samples[0].t
+            if dep.root_pid is not None and not sample.processes:
+                notes.append(EXITED_NOTE)
+                say("the deployment exited mid-capture")
+                stop = True
+                break
+            judged.append(judged_sample(sample))
+            verdict = classify(Bundle(manifest, tuple(judged), decide_log))
+            say(f"sample {len(samples)} at {elapsed:4.1f}s: {_summarise(sample)} -> "
+                f"{verdict.verdict.value} ({verdict.confidence:.2f})")
+            step = next_step(verdict, len(samples), elapsed, options, burst_taken, probes.started)
+            if step.why:
+                say(step.why)
+            if step.stop:
+                stop = True
+                break
+            if step.burst and not burst_asked:
+                burst, burst_asked = step.burst, True
+            if step.probes:
+                probes.start(options.window_s - elapsed)
+    # A stop leaves at most one scrape in flight: it is abandoned (its thread ends within the
+    # scrape timeout), not waited for.
+    log_lines, log_notes = _read_log(log_path, LOG_TAIL_BYTES)
     notes += log_notes
     return Bundle(replace(manifest, notes=tuple(notes)), tuple(samples), log_lines)
 

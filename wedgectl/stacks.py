@@ -158,3 +158,125 @@ def innermost_interesting(dump: StackDump) -> str | None:
                 continue
             return n
     return None
+
+
+# --- collectives: where a rank of a parallel group is, relative to the collective its step needs.
+# A rank's main thread is inside a collective (it arrived and waits for the others), before one
+# (model code, a device synchronise, host code: it has not arrived), or elsewhere (between steps).
+INSIDE = "inside a collective"
+BEFORE = "before the collective"
+ELSEWHERE = "elsewhere"
+
+# What the innermost telling frame is, within those groups.
+KIND_COLLECTIVE = "collective"
+KIND_COMPILED = "compiled graph"  # a generated file: compute, or a collective inlined by torch.compile
+KIND_DEVICE_SYNC = "device synchronise"
+KIND_MODEL = "model or host code"
+KIND_IDLE = "waiting for a step"
+KIND_UNKNOWN = "unknown"
+
+# Python frames of vLLM's and torch's collectives (GroupCoordinator, the device communicators,
+# torch.distributed, the shared-memory broadcast queue used inside a step).
+_COLLECTIVE_FRAMES = {
+    "all_reduce", "all_gather", "all_gatherv", "reduce_scatter", "reduce_scatterv", "gather", "broadcast",
+    "broadcast_object", "broadcast_object_list", "broadcast_tensor_dict", "barrier", "all_to_all",
+    "all_to_all_single", "send_tensor_dict", "recv_tensor_dict", "send_object", "recv_object",
+    "tensor_model_parallel_all_reduce", "tensor_model_parallel_all_gather", "_all_reduce_out_place",
+    "all_reduce_impl", "monitored_barrier", "wait_tensor",
+}
+# Native frames of a rank that arrived and waits: vLLM's CPU shared-memory collectives
+# (csrc/cpu/shm.cpp: shm_allreduce, shm_gather, shm_all_gather spin with no timeout), gloo,
+# and the NCCL / RCCL host-side waits. Not "barrier": libgomp's gomp_barrier_wait ends every
+# OpenMP region of plain CPU compute.
+_SHM_ENTRY = ("shm_allreduce", "shm_all_gather", "shm_gather", "shm_send", "shm_recv")
+_NATIVE_COLLECTIVE = (*_SHM_ENTRY, "gloo::", "processgroupgloo", "processgroupnccl", "nccl", "rccl",
+                      "c10d::", "allreduce", "allgather", "all_reduce", "all_gather")
+# Native frames of a host thread waiting for its device: a kernel still running (or never ending).
+_DEVICE_SYNC = ("cudastreamsynchronize", "custreamsynchronize", "cudaeventsynchronize", "cueventsynchronize",
+                "cudadevicesynchronize", "cuctxsynchronize", "hipstreamsynchronize", "hipeventsynchronize",
+                "hipdevicesynchronize", "cudamemcpy", "cumemcpydtoh", "hipmemcpy")
+_PY_DEVICE_SYNC = {"synchronize", "current_stream_synchronize"}
+# Where torch.compile's generated code lives: inductor's output and vLLM's compile cache.
+_GENERATED = ("torchinductor", "torch_compile_cache", "inductor_cache", "<eval_with_key", "__compiled_fn",
+              "/tmp/torchinductor")
+
+
+def is_native_frame(frame: dict[str, Any]) -> bool:
+    """A frame py-spy --native read from a shared object (no .py file behind it)."""
+    file = str(frame.get("filename") or "")
+    return not file.endswith(".py") and not file.startswith("<") and "torchinductor" not in file
+
+
+def frame_kind(frame: dict[str, Any]) -> str | None:
+    """What one frame says about a rank: KIND_COLLECTIVE, KIND_DEVICE_SYNC, KIND_COMPILED, or None."""
+    name = str(frame.get("name") or "")
+    file = str(frame.get("filename") or frame.get("short_filename") or "")
+    low = name.lower()
+    if is_native_frame(frame):
+        if any(s in low for s in _DEVICE_SYNC):
+            return KIND_DEVICE_SYNC
+        if any(s in low for s in _NATIVE_COLLECTIVE):
+            return KIND_COLLECTIVE
+        return None
+    base = base_name(name)
+    if base in _COLLECTIVE_FRAMES:
+        return KIND_COLLECTIVE
+    if base in _PY_DEVICE_SYNC:
+        return KIND_DEVICE_SYNC
+    if any(s in file for s in _GENERATED):
+        return KIND_COMPILED
+    return None
+
+
+def frame_label(frame: dict[str, Any]) -> str:
+    """'name (file:line)', or 'name (native)' for a frame from a shared object."""
+    if is_native_frame(frame):
+        return f"{frame.get('name', '?')} (native)"
+    filename = frame.get("short_filename") or frame.get("filename") or "?"
+    line = frame.get("line")
+    return f"{frame.get('name', '?')} ({filename}:{line})" if line else f"{frame.get('name', '?')} ({filename})"
+
+
+def rank_position(thread: Thread | None) -> tuple[str, str, str]:
+    """(group, kind, frame) of a Worker's main thread: INSIDE a collective, BEFORE it (in the
+    step, not in one) or ELSEWHERE; the kind of the innermost telling frame, and that frame.
+    A compiled graph's frame is BEFORE here: the Python stack cannot tell its compute from an
+    inlined collective; native frames or the CPU contrast between ranks decide (classify.collective)."""
+    if thread is None:
+        return ELSEWHERE, KIND_UNKNOWN, ""
+    if classify_worker_thread(thread) != WORKER_IN_MODEL:
+        idle = classify_worker_thread(thread) == WORKER_WAITING
+        frames = thread.get("frames") or ()
+        return ELSEWHERE, KIND_IDLE if idle else KIND_UNKNOWN, frame_label(frames[0]) if frames else ""
+    frames = list(thread.get("frames") or ())
+    for i, f in enumerate(frames):  # innermost first
+        kind = frame_kind(f)
+        if kind == KIND_COLLECTIVE:
+            return INSIDE, kind, frame_label(_entry_point(frames[i:]))
+        if kind is not None:
+            return BEFORE, kind, frame_label(f)
+    inner = next((f for f in frames if not is_native_frame(f) and base_name(f.get("name")) not in _PLUMBING), None)
+    return BEFORE, KIND_MODEL, frame_label(inner) if inner else ""
+
+
+def _entry_point(frames: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of the native frames from the innermost collective one outwards, the named entry point:
+    py-spy shows vLLM's CPU all-reduce as spin helpers and C++ templates (and libgomp) inside
+    `shm_allreduce`. The innermost collective frame when none is named so."""
+    for f in frames:
+        if not is_native_frame(f):
+            break
+        name = str(f.get("name") or "")
+        if name.lower().startswith(_SHM_ENTRY) and "<" not in name:
+            return f
+    return frames[0]
+
+
+_PLUMBING = {"wait", "_wait", "_call_impl", "_wrapped_call_impl", "__call__", "inner", "wrapper", "_fn"}
+
+
+def frame_key(thread: Thread | None) -> tuple[Any, ...] | None:
+    """The innermost Python frame (name, file, line) of a thread: equal across dumps means it stayed
+    put. Native frames are left out: a spin loop's innermost native frame moves while it waits."""
+    f = next((f for f in (thread or {}).get("frames") or () if not is_native_frame(f)), None)
+    return None if f is None else (f.get("name"), f.get("filename"), f.get("line"))

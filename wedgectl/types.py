@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,10 @@ class VerdictKind(str, enum.Enum):
     SHUTDOWN_HANG = "shutdown_hang"
     ENGINE_DEAD = "engine_dead"
     INCONCLUSIVE = "inconclusive"
+    STARTUP_HANG = "startup_hang"
+    ORPHANED_ENGINE = "orphaned_engine"
+    LEAKED_CAPACITY = "leaked_capacity"
+    COLLECTIVE_HANG = "collective_hang"
 
     @property
     def is_healthy(self) -> bool:
@@ -147,6 +152,11 @@ class FutexWaiters:
         return len(self.by_addr.get(addr, ())) if addr is not None else 0
 
 
+# vLLM's worker title: Worker, then _DP<n>, _PP<n>, _PCP<n>, _TP<n>, _DCP<n>, _EP<n> for each group larger than one.
+_WORKER_TITLE = re.compile(r"::Worker((?:_[A-Z]+\d+)+)\b")
+_RANK_PART = re.compile(r"_([A-Z]+)(\d+)")
+
+
 @dataclass(frozen=True)
 class ProcessSample:
     """One process of the deployment at one instant."""
@@ -164,6 +174,8 @@ class ProcessSample:
     listening: tuple[str, ...] = ()  # "127.0.0.1:8000"
     connections: int | None = None  # established TCP connections
     threads: tuple[ThreadSample, ...] = ()
+    started: float | None = None  # unix create time: how long a start-up or an orphan has lasted
+    devices: tuple[str, ...] = ()  # accelerator device nodes it holds open (/dev/nvidia0, /dev/dri/...)
 
     @property
     def cpu_s(self) -> float:
@@ -173,6 +185,18 @@ class ProcessSample:
     def futex_waiters(self) -> FutexWaiters:
         """Its threads in a futex wait, grouped by address."""
         return FutexWaiters.of(self.threads)
+
+    @property
+    def parallel_rank(self) -> dict[str, int]:
+        """A Worker's ranks from its vLLM title: "VLLM::Worker_PP1_TP3" -> {"PP": 1, "TP": 3}; {} untitled
+        (or a world of one). vLLM titles a worker once its parallel groups exist
+        (WorkerProc.setup_proc_title_and_log_prefix). comm keeps 15 characters ("VLLM::Worker_TP"),
+        so argv[0], which setproctitle rewrites, is read first."""
+        for text in (self.cmdline[0] if self.cmdline else "", self.name):
+            m = _WORKER_TITLE.search(text)
+            if m:
+                return {k: int(v) for k, v in _RANK_PART.findall(m.group(1))}
+        return {}
 
 
 @dataclass(frozen=True)

@@ -18,3 +18,17 @@ def positive_seconds(environ: Mapping[str, str], name: str, default: float, erro
     if not math.isfinite(value) or value <= 0:
         raise error(f"{name}={raw!r} must be a finite number of seconds > 0")
     return value
+
+
+def int_at_least(environ: Mapping[str, str], name: str, default: int, minimum: int, error: type[Exception]) -> int:
+    """An integer from environ[name] (default when unset or blank); `error` unless it is >= minimum."""
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise error(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise error(f"{name}={raw!r} must be >= {minimum}")
+    return value

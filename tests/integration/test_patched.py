@@ -29,6 +29,8 @@ def test_repro_patched_does_not_hang(name: str, vllm_python: Path, tiny_model: P
     result = run_patched(find_config(name), python=str(vllm_python), out_dir=tmp_path)
     report = "\n".join(render_patched(result))
     assert result.passed, f"{report}\n--- server log tail ---\n{log_tail(result.log_path) if result.log_path else ''}"
+    if result.config.expected in ("startup_hang", "orphaned_engine"):
+        return  # no SIGTERM in these: the server ends its own start-up, or its API server is SIGKILLed
     exit_check = next(c for c in result.checks if c.name == "exit on SIGTERM")
     assert exit_check.seconds is not None and exit_check.seconds <= result.observation.shutdown_s + 0.5
 

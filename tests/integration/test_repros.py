@@ -34,7 +34,9 @@ def test_list_names_every_config():
     assert r.returncode == 0
     names = {line.split()[0] for line in r.stdout.splitlines() if line.strip() and not line.startswith(" ")}
     assert max(len(line) for line in r.stdout.splitlines()) <= 80
-    assert names == {"admission-wedge", "engine-deadlock", "shutdown-hang", "starved", "healthy", "idle"}
+    assert names == {"admission-wedge", "engine-deadlock", "shutdown-hang", "starved", "healthy", "idle",
+                     "healthy-loaded", "deferred-wedge", "leaked-capacity", "startup-hang", "orphaned-engine",
+                     "collective-hang", "healthy-tp2"}
 
 
 def test_unknown_repro_is_a_usage_error():

@@ -20,11 +20,28 @@ SHUTDOWN_CORROBORATED = 0.9
 # Listener closed and process alive, with the log or the stack alone saying a shutdown began.
 SHUTDOWN_NO_LISTENER = 0.8
 
+# No API server, and its EngineCore / Workers alive, reparented to init: vLLM's EngineCore never
+# watches its parent, so nothing ends them.
+ORPHAN_REPARENTED = 0.95
+# No API server and engine processes alive under a parent that is not one (a subreaper, or an
+# offline LLM script: the process table cannot tell those apart).
+ORPHAN_NO_API = 0.8
+
+# Start-up quiet past STARTUP_QUIET_S with the engine parked, a stack naming the phase and the log's last line.
+STARTUP_PARKED_CORROBORATED = 0.9
+# The same with only the log or only the stacks to name the phase.
+STARTUP_PARKED = 0.85
+# Past STARTUP_DEADLINE_S in one phase with the engine busy: a very slow compile or load fits too.
+STARTUP_PAST_DEADLINE = 0.7
+
 # Counters frozen past CERTAIN_FROZEN_S with the engine spinning, or the heartbeat counting empty
 # steps: the busy loop runs and refuses the request every step.
 WEDGE_CERTAIN = 0.95
 # Counters frozen and the engine burning CPU, for less than CERTAIN_FROZEN_S.
 WEDGE_SPINNING = 0.85
+# Counters frozen past MIN_FROZEN_S, the engine spinning, every scrape refusing the request for
+# capacity with the KV pool empty and the Workers outside the model (corroboration.py).
+WEDGE_REFUSED_EMPTY_POOL = 0.9
 # Gauges alone (no CPU, no heartbeat): they cannot tell a wedge from a blocked engine. A parked
 # EngineCore inside execute_model would read as a deadlock; with no CPU figure this is the ceiling.
 WEDGE_METRICS_ONLY = 0.6
@@ -43,8 +60,17 @@ DEADLOCK_WAITING_ONLY = 0.4
 # The share of Worker stack samples inside execute_model that, with the engine asleep, is certain.
 DEADLOCK_WORKER_SHARE = 0.9
 
+# Requests counted while a sample saw no client connection at all, every sample over the window:
+# nothing in HTTP/1.1 can carry a request in progress without a connection.
+LEAK_NO_CLIENTS = 0.9
+# More requests counted than client connections in every sample: one HTTP request that fans out
+# (n > 1, a list of prompts) is several engine requests on one connection, so this fits too.
+LEAK_FEWER_CLIENTS = 0.75
+
 # Tokens advance, the queue does not drain and nothing was admitted in the window.
 STARVED_LIVE = 0.85
+# The same, with every scrape over MIN_FROZEN_S showing vLLM's own reason: waiting for capacity.
+STARVED_CAPACITY = 0.9
 # Tokens advance between scrapes: vLLM counts a token only when a step produced it.
 PROGRESSING_LIVE = 0.9
 # Nothing running or waiting, and the engine not spinning.
@@ -56,6 +82,8 @@ IDLE_ENGINE_BUSY = 0.6
 
 # EngineDeadError (or 'EngineCore encountered a fatal error') printed by vLLM itself.
 ENGINE_DEAD_LOG = 0.9
+# Start-up lines, then silence past the deadline; the log cannot tell a hung start from a killed one.
+STARTUP_LOG = 0.6
 # A shutdown began, uvicorn waits for connections, and no 'Finished server process'.
 SHUTDOWN_LOG_WAITING = 0.75
 # A shutdown began and no 'Finished server process' (the log may just have been cut).
@@ -76,6 +104,11 @@ STARVED_LOG = 0.8
 PROGRESSING_LOG = 0.7
 # The last stats line shows nothing running or waiting.
 IDLE_LOG = 0.7
+# After start-up, no stats line and no inference request, only probes: quiet past two stats
+# intervals by a clock (vLLM logs a line at INFO within one interval of a request's first tokens).
+IDLE_LOG_QUIET = 0.75
+# The same, quiet for less than two intervals or for a time the log cannot measure.
+IDLE_LOG_QUIET_SHORT = 0.5
 
 # The evidence does not decide.
 INCONCLUSIVE = 0.0

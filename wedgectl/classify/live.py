@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from wedgectl import stacks as stk
 from wedgectl.classify import confidence as C
+from wedgectl.classify.collective import COLLECTIVE_RULE
 from wedgectl.classify.evidence import (
     STARVED_ADVICE,
     counter_evidence,
@@ -19,8 +20,13 @@ from wedgectl.classify.evidence import (
     present,
     profile_evidence,
 )
+from wedgectl.classify.corroboration import starved_for_capacity, wedge_refused_for_capacity
+from wedgectl.classify.deferred import DEFERRED, DEFERRED_ADVICE, reason_text, waiting_reason
 from wedgectl.classify.facts import CERTAIN_FROZEN_S, Facts, slope_per_s
+from wedgectl.classify.leak import LEAK_RULE
+from wedgectl.classify.orphan import ORPHAN_RULE
 from wedgectl.classify.rule import Rule
+from wedgectl.classify.startup import LIVE_STARTUP_RULE
 from wedgectl.types import Evidence, Verdict, VerdictKind
 
 _METRICS_ONLY_ADVICE = "Metrics only: run `wedgectl diagnose --pid PID` to {}."
@@ -135,18 +141,20 @@ def _admission_wedge_verdict(f: Facts) -> Verdict:
         confidence = C.WEDGE_METRICS_ONLY
     elif f.heartbeat_spinning or g.frozen_s >= CERTAIN_FROZEN_S:
         confidence = C.WEDGE_CERTAIN
+    elif wedge_refused_for_capacity(f):
+        confidence = C.WEDGE_REFUSED_EMPTY_POOL
     else:
         confidence = C.WEDGE_SPINNING
     ev = [
-        metrics_evidence(f, f"{f.waiting:.0f} waiting"
-                         + (f" ({m.waiting_capacity:.0f} for capacity)" if m.waiting_capacity else "")
+        metrics_evidence(f, f"{f.waiting:.0f} waiting" + reason_text(m, f.api_server)
                          + f", 0 running, KV cache {((m.kv_usage or 0) * 100):.1f}% used"),
         counter_evidence(f),
     ]
     ev += present(engine_cpu_evidence(f), heartbeat_evidence(f))
     ev += profile_evidence(f) or list(present(engine_stack_evidence(f)))
     ev += f.probe_evidence
-    advice = [
+    reason = waiting_reason(m)
+    advice = list(DEFERRED_ADVICE) if reason == DEFERRED else [
         "The request needs more KV blocks than the pool can ever free: it will wait forever. "
         "Abort it (or restart), then size the pool: raise --gpu-memory-utilization / "
         "--num-gpu-blocks-override, or lower --max-model-len below the servable context.",
@@ -156,12 +164,12 @@ def _admission_wedge_verdict(f: Facts) -> Verdict:
         advice.append(_METRICS_ONLY_ADVICE.format("confirm the EngineCore is spinning"))
     return Verdict(
         VerdictKind.ADMISSION_WEDGE, confidence,
-        f"{f.waiting:.0f} request(s) waiting that the scheduler never admits; nothing runs, "
+        f"{f.waiting:.0f} request(s) waiting (reason: {reason}) that the scheduler never admits; nothing runs, "
         f"tokens frozen {fmt_duration(g.frozen_s)}" + (", engine spinning." if spinning else "."),
         "live_admission_wedge", tuple(ev), tuple(advice),
         {"frozen_s": round(g.frozen_s, 2), "engine_cores": f.engine_cores, "waiting": f.waiting,
          "worker_model_share": f.worker_model_share, "kv_usage_pct": round((m.kv_usage or 0) * 100, 2),
-         "waiting_capacity": m.waiting_capacity},
+         "waiting_capacity": m.waiting_capacity, "waiting_deferred": m.waiting_deferred, "reason": reason},
     )
 
 
@@ -174,8 +182,10 @@ def live_engine_deadlock(f: Facts) -> bool:
     thread in execute_model / collective_rpc / a shared-memory dequeue / a device sync). In a
     blocked vLLM engine nothing is published, so every gauge holds its last value. A spinning
     engine is stepping (unless its heartbeat froze or its stack sits in the model): not a
-    deadlock; with only waiting requests the engine must be seen asleep."""
-    if f.running + f.waiting < 1 or not f.tokens_frozen:
+    deadlock; with only waiting requests the engine must be seen asleep. Deferred requests are not
+    work it owes a step: vLLM 0.32 leaves paused sessions out of its unfinished count and sleeps."""
+    deferred = (f.last_metrics.waiting_deferred or 0) if f.last_metrics is not None else 0
+    if f.running + f.waiting - deferred < 1 or not f.tokens_frozen:
         return False
     asleep = f.engine_parked or f.heartbeat_frozen
     if f.running < 1 and not asleep:
@@ -264,7 +274,7 @@ def _starved_verdict(f: Facts) -> Verdict:
                            values={"kv_usage_pct": round(kv_last * 100, 1), "pct_per_min": round(per_min, 2)}))
     ev += present(engine_cpu_evidence(f))
     return Verdict(
-        VerdictKind.STARVED, C.STARVED_LIVE,
+        VerdictKind.STARVED, C.STARVED_CAPACITY if starved_for_capacity(f) else C.STARVED_LIVE,
         f"Not a hang: tokens advance at {g.rate or 0:.1f}/s but {waiting:.0f} request(s) wait for KV capacity behind {running:.0f} running.",
         "live_starved", tuple(ev), STARVED_ADVICE, facts,
     )
@@ -304,9 +314,13 @@ def _idle_verdict(f: Facts) -> Verdict:
 
 LIVE_RULES: tuple[Rule, ...] = (
     Rule(live_engine_dead, _engine_dead_verdict),
+    ORPHAN_RULE,
+    LIVE_STARTUP_RULE,
     Rule(live_shutdown_hang, _shutdown_hang_verdict),
+    COLLECTIVE_RULE,
     Rule(live_admission_wedge, _admission_wedge_verdict),
     Rule(live_engine_deadlock, _engine_deadlock_verdict),
+    LEAK_RULE,
     Rule(live_starved, _starved_verdict),
     Rule(live_progressing, _progressing_verdict),
     Rule(live_idle, _idle_verdict),

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from wedgectl.classify import confidence as C
+from wedgectl.classify.collective import STEP_TIMEOUT_RULE
 from wedgectl.classify.evidence import STARVED_ADVICE, failure_evidence, fmt_duration, log_stamp, message, stats_evidence
-from wedgectl.classify.facts import LOG_SILENCE_S, Facts, slope_per_s
+from wedgectl.classify.facts import LOG_SILENCE_S, STATS_INTERVAL_S, Facts, slope_per_s
 from wedgectl.classify.rule import Rule
+from wedgectl.classify.startup import LOG_STARTUP_RULE, phase_lines, startup_state
 from wedgectl.logparse import StatsLine
 from wedgectl.types import Evidence, Verdict, VerdictKind
 
@@ -126,14 +128,31 @@ def _engine_deadlock_verdict(f: Facts) -> Verdict:
 # ------------------------------------------------------------ admission wedge
 
 
+def held_queue(stats: tuple[StatsLine, ...]) -> tuple[StatsLine, ...]:
+    """The trailing run of stats lines that all say Running: 0 with requests waiting."""
+    n = 0
+    for x in reversed(stats):
+        if x.running != 0 or x.waiting < 1:
+            break
+        n += 1
+    return stats[len(stats) - n:] if n else ()
+
+
 def log_admission_wedge(f: Facts) -> bool:
     """The last stats line shows requests waiting, none running and no throughput, then the stats
     stop (or repeat unchanged): the scheduler never admits the waiting request although nothing
     holds the engine. Seed 003's shape (waiting=1, KV 0 %). Without the stop, the line itself
     covers a whole interval (10 s) in which a request waited while nothing ran and nothing was
-    computed, when it follows another: with an idle engine, vLLM admits a waiting request at once."""
+    computed, when it follows another: with an idle engine, vLLM admits a waiting request at once.
+    Queue state held over two lines or more outweighs the throughput they print: that figure is an
+    interval average (the last tokens before the wedge), vLLM may print it a line late, and no
+    request generates while none runs (a real 0.32 wedge printed 8.2 tokens/s with Running: 0)."""
     s = f.last_stats
-    if s is None or s.running != 0 or s.waiting < 1 or s.gen_tps > 0 or s.prompt_tps > 0:
+    if s is None or s.running != 0 or s.waiting < 1:
+        return False
+    if len(held_queue(f.stats)) >= 2:
+        return True
+    if s.gen_tps > 0 or s.prompt_tps > 0:
         return False
     return f.log_silent or len(f.stats) >= 2
 
@@ -141,18 +160,29 @@ def log_admission_wedge(f: Facts) -> bool:
 def _admission_wedge_verdict(f: Facts) -> Verdict:
     s, silence, n_after = f.last_stats, f.log_silence_s, f.scrapes_after_last_stats
     assert s is not None
+    held = held_queue(f.stats)
+    reason = "deferred" if (s.deferred or 0) >= 1 else "capacity"
+    deferred = f", {s.deferred} deferred holding slots" if reason == "deferred" else ""
+    ev = [stats_evidence(s, f"the last stats line: 0 running, {s.waiting} waiting{deferred}, KV {s.kv_usage_pct:.1f}%"),
+          Evidence("log", f"no stats line since, while {n_after} GET /metrics were answered 200"
+                   + (f" (~{fmt_duration(silence)})" if silence is not None else ""),
+                   values={"scrapes_after": n_after, "silent_s": silence})]
+    if len(held) >= 2:
+        first, printed = held[0], max(x.gen_tps for x in held)
+        span = f" over {fmt_duration(s.t - first.t)}" if s.t is not None and first.t is not None else ""
+        ev.insert(0, stats_evidence(first, f"{len(held)} stats lines in a row{span}: 0 running, requests waiting"
+                                    + (f"; the {printed:.1f} tokens/s printed is an interval average: nothing runs"
+                                       if printed > 0 else "")))
+    advice = (("Confirm live: `wedgectl diagnose --pid PID` (waiting by reason deferred: paused sessions hold the slots).",
+               "End the idle sessions or raise --max-num-seqs above the sessions held open.") if reason == "deferred" else
+              ("Confirm live: `wedgectl diagnose --pid PID` (EngineCore spinning, waiting by reason capacity).",
+               "Size the KV pool above max_model_len, or run the patched engine, which fails such requests at once."))
     return Verdict(
         VerdictKind.ADMISSION_WEDGE, C.WEDGE_LOG_SILENT if f.log_silent else C.WEDGE_LOG_INTERVAL,
-        f"{s.waiting} request(s) waiting, none running, no tokens: the scheduler never admits them"
+        f"{s.waiting} request(s) waiting (reason: {reason}), none running, no tokens: the scheduler never admits them"
         + (f" (~{fmt_duration(silence)})." if silence is not None else "."),
-        "log_admission_wedge",
-        (stats_evidence(s, f"the last stats line: 0 running, {s.waiting} waiting, KV {s.kv_usage_pct:.1f}%"),
-         Evidence("log", f"no stats line since, while {n_after} GET /metrics were answered 200"
-                  + (f" (~{fmt_duration(silence)})" if silence is not None else ""),
-                  values={"scrapes_after": n_after, "silent_s": silence})),
-        ("Confirm live: `wedgectl diagnose --pid PID` (EngineCore spinning, waiting by reason capacity).",
-         "Size the KV pool above max_model_len, or run the patched engine, which fails such requests at once."),
-        {"engine_silent_s": silence},
+        "log_admission_wedge", tuple(ev), advice,
+        {"engine_silent_s": silence, "reason": reason, "held_lines": len(held)},
     )
 
 
@@ -244,12 +274,67 @@ def _idle_verdict(f: Facts) -> Verdict:
                    (stats_evidence(s, "the last stats line: nothing running or waiting"),))
 
 
+# Access paths that ask the server nothing: liveness, readiness and metrics probes, model listing.
+_PROBE_PATHS = ("/health", "/metrics", "/ping", "/v1/models", "/version", "/load", "/is_sleeping")
+
+
+def log_never_asked(f: Facts) -> bool:
+    """The server finished starting and was never asked anything: no stats line, no failure, no
+    pending shutdown, and every access line a probe (/health, /metrics). vLLM logs a stats line at INFO
+    within one interval (10 s) of a request's first tokens, and uvicorn an access line when it
+    answers one. A request refused at the queue's head from the start (never a token) stays
+    silent too, but on 0.32 one that can never fit is refused with 400 at the API (an access line),
+    so silence past two intervals is an unused server; the confidence says how long it was quiet."""
+    log = f.log
+    if log is None or f.stats or log.failures or f.shutdown_began is not None or not startup_state(f).serving:
+        return False  # a shutdown that finished ends the quiet; one pending is the shutdown rule's
+    return all(a.path.split("?", 1)[0] in _PROBE_PATHS and a.method in ("GET", "HEAD") for a in log.access)
+
+
+def never_asked_quiet_s(f: Facts) -> float | None:
+    """How long the log has been quiet since the server said it started: to the capture's end when
+    live, else to the log's last stamped line; None when no clock spans it."""
+    stamped = [p.t for p in phase_lines(f.bundle.log_lines) if p.t is not None]
+    since = stamped[-1] if stamped else None  # uvicorn's 'Application startup complete' has no stamp
+    if since is None or f.log is None:
+        return None
+    try:
+        end = f.now_logtime if f.now_logtime is not None else f.log.last_t
+    except (ValueError, OverflowError, OSError):  # a hostile bundle's capture time no calendar holds
+        end = f.log.last_t
+    if f.log.shutdown and f.log.shutdown[0].t is not None:
+        end = f.log.shutdown[0].t  # quiet until it was stopped
+    return end - since if end is not None and end > since else None
+
+
+def _never_asked_verdict(f: Facts) -> Verdict:
+    assert f.log is not None
+    quiet = never_asked_quiet_s(f)
+    probes = len(f.log.access)
+    timed = quiet is not None and quiet >= 2 * STATS_INTERVAL_S
+    ev = [Evidence("log", "started, then no stats line and no inference request"
+                   + (f": quiet {fmt_duration(quiet)}" if quiet is not None else ": how long, the log's stamps cannot say"),
+                   values={"quiet_s": None if quiet is None else round(quiet, 1), "probes_answered": probes}),
+          Evidence("log", f"{probes} probe(s) answered since (GET /health, /metrics): the server is up",
+                   values={"probes": probes})]
+    return Verdict(
+        VerdictKind.IDLE, C.IDLE_LOG_QUIET if timed else C.IDLE_LOG_QUIET_SHORT,
+        "Idle: started and never asked anything" + (f" (quiet {fmt_duration(quiet)})." if quiet is not None else "."),
+        "log_never_asked", tuple(ev),
+        () if timed else ("Read the log again later, or `wedgectl diagnose --pid PID`: a longer quiet decides it.",),
+        {"quiet_s": None if quiet is None else round(quiet, 1), "probes": probes},
+    )
+
+
 LOG_RULES: tuple[Rule, ...] = (
+    STEP_TIMEOUT_RULE,
     Rule(log_engine_dead, _engine_dead_verdict),
+    LOG_STARTUP_RULE,
     Rule(log_shutdown_hang, _shutdown_hang_verdict),
     Rule(log_engine_deadlock, _engine_deadlock_verdict),
     Rule(log_admission_wedge, _admission_wedge_verdict),
     Rule(log_starved, _starved_verdict),
     Rule(log_progressing, _progressing_verdict),
     Rule(log_idle, _idle_verdict),
+    Rule(log_never_asked, _never_asked_verdict),
 )

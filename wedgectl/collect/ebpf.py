@@ -34,9 +34,9 @@ from wedgectl.collect.ebpfhost import (
     BACKENDS, EBPF_BACKENDS, MAX_ENTRIES, Host, bcc_env, bcc_python_path, bpftrace_env, choose_backend,
     detect_backends, disabled_backends, stderr_summary,
 )
-from wedgectl.collect.ebpfbcc import MAX_SEED_TIDS, READY_MARK
+from wedgectl.collect.ebpfbcc import READY_MARK
 from wedgectl.lifecycle import signal_child
-from wedgectl.probes import ALL_PROBES, DEFAULT_PROBES, load_probe
+from wedgectl.probes import ALL_PROBES, DEFAULT_MIN_WAIT_MS, DEFAULT_PROBES, load_probe
 from wedgectl.probes._window import Maps, Window, parse_bpftrace_output, rounded
 from wedgectl.types import (
     BackendStatus, CollectorFailure, FailureKind, ProbeBackend, ProbeMode, ProbeRecord, ProbeResult, ProbeSkip, ThreadProbe,
@@ -55,23 +55,35 @@ PROC = procfs.PROC
 # one program from the probes' sections
 
 
+MIN_WAIT_S = DEFAULT_MIN_WAIT_MS / 1000
+
+
 def pid_predicate(pids: Iterable[int]) -> str:
-    """The in-kernel filter: 'pid == 4101 || pid == 4102' (pid is the tgid in bpftrace and in our C)."""
+    """The in-kernel filter: 'pid == 4101 || pid == 4102' (pid is the tgid in bpftrace and in our C).
+
+    Every probe tests it before anything else, so another process's event costs one compare per pid.
+    """
     pids = sorted(set(int(p) for p in pids))
     if not pids:
         raise ValueError("no pids to filter on")
     return " || ".join(f"pid == {p}" for p in pids)
 
 
-def bpftrace_program(probes: Sequence[str], pids: Iterable[int], max_s: float,
-                     seed_tids: Iterable[int] = (), libs: Sequence[str] = ()) -> str:
-    """One bpftrace program from the probes' sections: one BEGIN, their probes, one exit timer, one END."""
+def min_wait_ns(min_wait_s: float) -> str:
+    return str(max(0, int(round(min_wait_s * 1e9))))
+
+
+def bpftrace_program(probes: Sequence[str], pids: Iterable[int], max_s: float, libs: Sequence[str] = (), *,
+                     min_wait_s: float = MIN_WAIT_S) -> str:
+    """One bpftrace program from the probes' sections: one BEGIN, their probes, one exit timer, one END.
+
+    Waits shorter than min_wait_s are not recorded (each probe compares with __MIN_NS__).
+    """
     pred = pid_predicate(pids)
-    seeds = "".join(f"  @oc_tgt[{int(t)}] = 1;\n" for t in list(seed_tids)[:MAX_SEED_TIDS])
     begins, bodies, ends = [], [], []
     for name in probes:
         mod = load_probe(name)
-        begins.append(mod.BPFTRACE_BEGIN.replace("__SEED__", seeds))
+        begins.append(mod.BPFTRACE_BEGIN)
         if "__LIB__" in mod.BPFTRACE_PROBES:
             if not libs:
                 continue
@@ -81,15 +93,16 @@ def bpftrace_program(probes: Sequence[str], pids: Iterable[int], max_s: float,
         ends.append(mod.BPFTRACE_END)
     ms = max(1, int(min(max_s, MAX_WINDOW_S) * 1000))
     text = (
-        f"// wedgectl probes: {', '.join(probes)}; pids {sorted(set(pids))}; exits after {ms} ms\n"
+        f"// wedgectl probes: {', '.join(probes)}; pids {sorted(set(pids))}; exits after {ms} ms; "
+        f"waits under {min_wait_s * 1000:g} ms not recorded\n"
         "BEGIN\n{\n" + "".join(begins) +
-        f"  @t_begin = nsecs;\n  @t_live = 1;\n  printf(\"{READY_MARK}\\n\");\n}}\n"
+        f"  @t_begin = nsecs;\n  printf(\"{READY_MARK}\\n\");\n}}\n"
         + "".join(bodies)
         # the timer ends the window in the kernel, to the millisecond; END (user space, later) reports
-        + f"\ninterval:ms:{ms}\n{{\n  @t_end = nsecs;\n  delete(@t_live);\n  exit();\n}}\n"
-        + "\nEND\n{\n  if (@t_live) {\n    @t_end = nsecs;\n  }\n  delete(@t_live);\n" + "".join(ends) + "}\n"
+        + f"\ninterval:ms:{ms}\n{{\n  @t_end = nsecs;\n  exit();\n}}\n"
+        + "\nEND\n{\n  if (@t_end == 0) {\n    @t_end = nsecs;\n  }\n" + "".join(ends) + "}\n"
     )
-    return text.replace("__FILTER__", pred)
+    return text.replace("__FILTER__", pred).replace("__MIN_NS__", min_wait_ns(min_wait_s))
 
 
 BCC_PRELUDE = """
@@ -103,13 +116,15 @@ static inline u64 t_begin_ns(void)
 """
 
 
-def bcc_program(probes: Sequence[str], pids: Iterable[int], max_entries: int | None = None) -> str:
+def bcc_program(probes: Sequence[str], pids: Iterable[int], max_entries: int | None = None, *,
+                min_wait_s: float = MIN_WAIT_S) -> str:
     """The BPF C text for bcc: a shared window start (t_begin, set from user space once attached) and each probe's maps and functions."""
     pred = pid_predicate(pids)
     text = f"// wedgectl probes: {', '.join(probes)}; pids {sorted(set(pids))}\n" + BCC_PRELUDE
     for name in probes:
         text += load_probe(name).BCC_TEXT
-    return text.replace("__FILTER__", pred).replace("__MAX_ENTRIES__", str(int(max_entries or MAX_ENTRIES)))
+    return (text.replace("__FILTER__", pred).replace("__MAX_ENTRIES__", str(int(max_entries or MAX_ENTRIES)))
+            .replace("__MIN_NS__", min_wait_ns(min_wait_s)))
 
 
 # ---------------------------------------------------------------------------
@@ -194,13 +209,15 @@ class ProbeRun:
 
     def __init__(self, pids: Sequence[int], probes: Sequence[str] = DEFAULT_PROBES, *,
                  backend: BackendStatus, statuses: Sequence[BackendStatus] = (), max_s: float = 60.0,
-                 mode: str = "auto", proc_root: Path = PROC, max_entries: int = MAX_ENTRIES) -> None:
+                 mode: str = "auto", proc_root: Path = PROC, max_entries: int = MAX_ENTRIES,
+                 min_wait_s: float = MIN_WAIT_S) -> None:
         self.max_entries = max(64, min(int(max_entries), 1 << 20))
         self.pids = list(dict.fromkeys(int(p) for p in pids))[:MAX_PIDS]
         self.probes = tuple(probes)
         self.backend = backend
         self.statuses = tuple(statuses)
         self.max_s = min(max(0.5, max_s), MAX_WINDOW_S)
+        self.min_wait_s = min(max(0.0, min_wait_s), MAX_WINDOW_S)
         self.mode = mode
         self.proc_root = proc_root
         self.failures: list[CollectorFailure] = []
@@ -249,7 +266,6 @@ class ProbeRun:
         self._begin = time.monotonic()
 
     def _launch(self) -> None:
-        seed = sorted(self._start_states)
         probes = tuple(p for p in self.probes if p != "pylockwait" or self.libs)
         if "pylockwait" in self.probes and not self.libs:
             self.failures.append(CollectorFailure(COLLECTOR, FailureKind.MISSING_TOOL,
@@ -257,7 +273,7 @@ class ProbeRun:
         self.probes = probes
         self._stderr = tempfile.TemporaryFile(mode="w+")
         if self.backend.name == "bpftrace":
-            self.program = bpftrace_program(probes, self.pids, self.max_s, seed, self.libs)
+            self.program = bpftrace_program(probes, self.pids, self.max_s, self.libs, min_wait_s=self.min_wait_s)
             fd, name = tempfile.mkstemp(prefix="wedgectl-", suffix=".bt")
             with os.fdopen(fd, "w") as f:
                 f.write(self.program)
@@ -265,8 +281,8 @@ class ProbeRun:
             path = shutil.which("bpftrace") or "bpftrace"
             cmd, env = [path, "-f", "json", name], bpftrace_env(self.max_entries)
         else:
-            self.program = bcc_program(probes, self.pids, self.max_entries)
-            spec = {"text": self.program, "seed": seed, "max_s": self.max_s, "libs": self.libs,
+            self.program = bcc_program(probes, self.pids, self.max_entries, min_wait_s=self.min_wait_s)
+            spec = {"text": self.program, "max_s": self.max_s, "libs": self.libs,
                     "maps": [n for p in probes for n in load_probe(p).MAPS],
                     "uprobes": [list(u) for p in probes for u in getattr(load_probe(p), "BCC_UPROBES", ())]}
             fd, name = tempfile.mkstemp(prefix="wedgectl-", suffix=".json")
@@ -287,6 +303,10 @@ class ProbeRun:
                                               else f"not attached within {READY_TIMEOUT_S:.0f} s")
                 raise RuntimeError(why)
         self._begin = self._ready_at = time.monotonic()
+        # the window's first edge: read again now that the program is attached (compiling took a while)
+        states, _ = procfs.read_thread_scheds(self.pids, self.proc_root)
+        if states:
+            self._start_states = states
         # read at start-up: remove it now, so nothing is left behind even if stop() never runs
         with contextlib.suppress(OSError):
             self._tmp.unlink()
@@ -371,14 +391,15 @@ class ProbeRun:
         offsets = procfs.sched_clock_offsets({s.cpu for s in end_states.values() if s.cpu is not None}, self.proc_root) \
             if self.proc_root == PROC else {}
         w = Window(begin=self._begin, end=end, start_states=self._start_states, end_states=end_states,
-                   end_read_at=end_read_at, offsets=offsets, wall_offset=time.time() - time.monotonic())
+                   end_read_at=end_read_at, offsets=offsets, wall_offset=time.time() - time.monotonic(),
+                   min_wait_s=self.min_wait_s)
         threads = combine(self.backend.name, self.probes, maps, w)
         skipped = [ProbeSkip(s.name, s.reason) for s in self.statuses
                    if not s.available and BACKENDS.index(s.name) < BACKENDS.index(self.backend.name)]
         ran = self.probes if self.backend.name != "procfs" else ()
         header = ProbeResult(
             backend=self.backend.name,
-            reason=self.backend.reason,
+            reason=self.backend.reason + (f"; waits under {self.min_wait_s * 1000:g} ms not recorded" if ran else ""),
             skipped=(*skipped, *self.fallback_from),
             probes=tuple(ran),
             pids=tuple(self.pids),
@@ -411,7 +432,7 @@ class ProbeRun:
 def start_probes(pids: Sequence[int], mode: ProbeMode | str = "auto", *, probes: Sequence[str] = DEFAULT_PROBES,
                  backend: ProbeBackend | str = "auto", max_s: float = 60.0, host: Host = Host(),
                  disable: Iterable[str] | None = None, proc_root: Path = PROC,
-                 max_entries: int = MAX_ENTRIES) -> ProbeRun | None:
+                 max_entries: int = MAX_ENTRIES, min_wait_s: float = MIN_WAIT_S) -> ProbeRun | None:
     """Detect, pick and start a back-end on the pids; None when mode is "off".
 
     mode "auto": the best back-end, down to /proc. mode "on": the same data,
@@ -422,7 +443,7 @@ def start_probes(pids: Sequence[int], mode: ProbeMode | str = "auto", *, probes:
     if mode == "off":
         return None
     try:
-        return _start_probes(pids, mode, probes, backend, max_s, host, disable, proc_root, max_entries)
+        return _start_probes(pids, mode, probes, backend, max_s, host, disable, proc_root, max_entries, min_wait_s)
     except Exception as exc:  # noqa: BLE001 - a collector never raises: report, fall back to /proc
         run = ProbeRun(pids, probes, backend=BackendStatus("procfs", True, f"probe start failed: {exc!r}"),
                        max_s=max_s, mode=mode, proc_root=proc_root)
@@ -431,7 +452,8 @@ def start_probes(pids: Sequence[int], mode: ProbeMode | str = "auto", *, probes:
 
 
 def _start_probes(pids: Sequence[int], mode: str, probes: Sequence[str], backend: str, max_s: float, host: Host,
-                  disable: Iterable[str] | None, proc_root: Path, max_entries: int) -> ProbeRun:
+                  disable: Iterable[str] | None, proc_root: Path, max_entries: int,
+                  min_wait_s: float = MIN_WAIT_S) -> ProbeRun:
     off = set(disabled_backends(disable))
     if backend != "auto":
         off |= set(BACKENDS) - {backend}
@@ -440,7 +462,7 @@ def _start_probes(pids: Sequence[int], mode: str, probes: Sequence[str], backend
     if chosen is None:
         chosen = BackendStatus("procfs", True, "every back-end is disabled; /proc read anyway")
     run = ProbeRun(pids, probes, backend=chosen, statuses=statuses, max_s=max_s, mode=mode, proc_root=proc_root,
-                   max_entries=max_entries)
+                   max_entries=max_entries, min_wait_s=min_wait_s)
     if mode == "on" and chosen.name not in EBPF_BACKENDS:
         why = "; ".join(f"{s.name}: {s.reason}" for s in statuses if s.name in EBPF_BACKENDS)
         run.failures.append(CollectorFailure(COLLECTOR, FailureKind.MISSING_TOOL,

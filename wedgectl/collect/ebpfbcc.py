@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-MAX_SEED_TIDS = 2048
 READY_MARK = "wedgectl-probe-ready"
 
 
@@ -33,10 +32,6 @@ def bcc_child(spec_path: str) -> int:
         for sym, enter, ret in spec.get("uprobes", ()):
             b.attach_uprobe(name=lib, sym=sym, fn_name=enter)
             b.attach_uretprobe(name=lib, sym=sym, fn_name=ret)
-    if "oc_tgt" in spec["text"]:
-        tgt = b["oc_tgt"]
-        for tid in spec.get("seed", ())[:MAX_SEED_TIDS]:
-            tgt[ct.c_uint64(tid)] = ct.c_uint64(1)
     begin = time.monotonic_ns()  # CLOCK_MONOTONIC, the clock of bpf_ktime_get_ns
     b["t_begin"][ct.c_int(0)] = ct.c_uint64(begin)
     emit = lambda obj: print(json.dumps(obj), flush=True)  # noqa: E731
@@ -50,8 +45,13 @@ def bcc_child(spec_path: str) -> int:
             return ",".join(str(getattr(k, f)) for f, _ in k._fields_)
         return str(k.value)
 
+    def value(v: Any) -> Any:  # a struct value prints as a list, as bpftrace prints a tuple
+        if hasattr(v, "_fields_"):
+            return [int(getattr(v, f)) for f, _ in v._fields_]
+        return int(v.value)
+
     for name in spec["maps"]:
-        data = {key_text(k): int(v.value) for k, v in b[name].items()}
+        data = {key_text(k): value(v) for k, v in b[name].items()}
         if data:
             emit({"type": "map", "data": {"@" + name: data}})
     emit({"type": "map", "data": {"@t_begin": begin}})

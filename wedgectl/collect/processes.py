@@ -428,10 +428,47 @@ def log_path_of(pid: int, proc_root: Path = procfs.PROC) -> str | None:
     return None
 
 
+# Device nodes through which a process holds an accelerator (and its memory): NVIDIA, AMD/Intel DRM,
+# AMD KFD, Habana/AWS Neuron and the generic accel class.
+_ACCEL_PREFIXES = ("/dev/nvidia", "/dev/dri/", "/dev/kfd", "/dev/accel", "/dev/neuron", "/dev/hl")
+
+
+def accelerator_devices(pid: int, proc_root: Path = procfs.PROC) -> tuple[str, ...]:
+    """The accelerator device nodes `pid` holds open (readlink /proc/PID/fd/*); () when none or unreadable."""
+    found: set[str] = set()
+    fd_dir = proc_root / str(pid) / "fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return ()
+    for fd in fds:
+        try:
+            link = os.readlink(fd_dir / fd)
+        except OSError:
+            continue
+        if link.startswith(_ACCEL_PREFIXES):
+            found.add(link)
+    return tuple(sorted(found))
+
+
+def _own_addresses() -> set[tuple[str, int]]:
+    """This process's own socket addresses: wedgectl's scrape and /health connections to the target."""
+    try:
+        return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="inet") if c.laddr}
+    except (psutil.Error, OSError):
+        return set()
+
+
 def _sockets_from_psutil(proc: psutil.Process) -> tuple[tuple[str, ...], int]:
+    """(listening addresses, established connections not made by wedgectl itself). Our own /metrics
+    and /health requests run beside this read; counted, they would pass for clients (a leaked-capacity
+    count compares clients with requests). Ours are read before and after, so one open across the read is seen."""
+    before = _own_addresses()
     conns = proc.net_connections(kind="inet")
+    ours = before | _own_addresses()
     listening = {format_address(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
-    established = sum(1 for c in conns if c.status == psutil.CONN_ESTABLISHED)
+    established = sum(1 for c in conns if c.status == psutil.CONN_ESTABLISHED
+                      and not (c.raddr and (c.raddr.ip, c.raddr.port) in ours))
     return tuple(sorted(listening)), established
 
 
@@ -525,8 +562,17 @@ def sample_process(
         listening=listening,
         connections=connections,
         threads=threads,
+        started=_create_time(proc),
+        devices=accelerator_devices(pid, proc_root),
     )
     return sample, tuple(failures)
+
+
+def _create_time(proc: psutil.Process) -> float | None:
+    try:
+        return proc.create_time()
+    except (psutil.Error, OSError):
+        return None
 
 
 def sample_roles(roles: dict[int, Role]) -> tuple[tuple[ProcessSample, ...], list[CollectorFailure]]:

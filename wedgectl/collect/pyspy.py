@@ -18,6 +18,7 @@ from wedgectl.stacks import frame_names  # re-exported: one reading of py-spy fr
 from wedgectl.types import CollectorFailure, FailureKind, StackDump
 
 COLLECTOR = "pyspy"
+NATIVE_TIMEOUT_S = 20.0
 log = logging.getLogger(__name__)
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
@@ -104,6 +105,10 @@ def dump_stacks(
     target pauses for the ~50 ms of the dump. Never raises; a failure is a
     StackDump whose ``error`` starts with the FailureKind value.
     """
+    if native:
+        # Native unwinding reads every library's debug info first: 6-10 s measured on a loaded
+        # 2-core host for a vLLM worker (torch, the CPU kernels), far past a Python-only dump.
+        timeout = max(timeout, NATIVE_TIMEOUT_S)
     t0 = time.time()
     exe = find_pyspy()
     if exe is None:

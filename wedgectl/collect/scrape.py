@@ -49,10 +49,18 @@ def health_url_for(base: str) -> str:
     return urlunsplit((scheme, netloc, "/health", "", ""))
 
 
+def _timeout(timeout: float) -> httpx.Timeout:
+    return httpx.Timeout(timeout, connect=min(timeout, 1.0))
+
+
 def _client(timeout: float, transport: httpx.BaseTransport | None) -> httpx.Client:
     return httpx.Client(
         transport=transport,
-        timeout=httpx.Timeout(timeout, connect=min(timeout, 1.0)),
+        timeout=_timeout(timeout),
+        # No kept connection: between scrapes wedgectl holds no socket, so the /proc reading of the
+        # server's sockets (collect.processes, which sets ours apart) finds none of ours to match
+        # against the host's whole TCP table. A loopback connect costs far less than that read.
+        limits=httpx.Limits(max_keepalive_connections=0),
         follow_redirects=False,
         trust_env=False,  # HTTP(S)_PROXY must not reroute a loopback scrape
     )
@@ -70,16 +78,21 @@ def _error_for(exc: BaseException, timeout: float) -> str:
     return f"{FailureKind.ERROR.value}: {type(exc).__name__}: {exc}"
 
 
-def scrape_metrics(url: str, timeout: float = 2.0, transport: httpx.BaseTransport | None = None) -> MetricsScrape:
+def scrape_metrics(url: str, timeout: float = 2.0, transport: httpx.BaseTransport | None = None,
+                   client: httpx.Client | None = None) -> MetricsScrape:
     """One GET of ``url``. The whole call ends within about ``timeout`` (connect at most 1 s,
     and the body is abandoned once the deadline passes). ``error`` starts with a
     FailureKind value; a non-200 answer keeps its status and body and says so in ``error``.
+    ``client`` (a `Scraper`'s) is reused; without one, a client is built for this call.
     """
+    if client is None:
+        with _client(timeout, transport) as own:
+            return scrape_metrics(url, timeout, client=own)
     start = time.monotonic()
     deadline = start + timeout
     status: int | None = None
     try:
-        with _client(timeout, transport) as client, client.stream("GET", url) as resp:
+        with client.stream("GET", url, timeout=_timeout(timeout)) as resp:
             status = resp.status_code
             ctype = resp.headers.get("content-type", "")
             chunks: list[bytes] = []
@@ -115,13 +128,43 @@ def _done(url: str, start: float, status: int | None, text: str | None = None, e
 
 
 def probe_health(
-    base_url: str, timeout: float = 2.0, transport: httpx.BaseTransport | None = None
+    base_url: str, timeout: float = 2.0, transport: httpx.BaseTransport | None = None,
+    client: httpx.Client | None = None,
 ) -> tuple[int | None, str | None]:
     """GET /health: (status, None) for any answer, (None, error) for none. vLLM answers
     200 while its engine lives and 503 once the engine is dead."""
+    if client is None:
+        with _client(timeout, transport) as own:
+            return probe_health(base_url, timeout, client=own)
     url = health_url_for(base_url)
     try:
-        with _client(timeout, transport) as client, client.stream("GET", url) as resp:
+        with client.stream("GET", url, timeout=_timeout(timeout)) as resp:
             return resp.status_code, None  # the body is not needed: don't wait for it
     except Exception as exc:  # noqa: BLE001
         return None, _error_for(exc, timeout)
+
+
+class Scraper:
+    """One HTTP client for a whole run (a diagnose, a `top` session, a watcher's target).
+
+    Building an httpx.Client costs more CPU than a loopback scrape (it loads a TLS context).
+    Thread-safe: httpx's pool serves the sampler's scrape and health check side by side."""
+
+    def __init__(self, timeout: float = 2.0, transport: httpx.BaseTransport | None = None) -> None:
+        self.timeout = timeout
+        self.client = _client(timeout, transport)
+
+    def metrics(self, url: str, timeout: float | None = None) -> MetricsScrape:
+        return scrape_metrics(url, self.timeout if timeout is None else timeout, client=self.client)
+
+    def health(self, base_url: str, timeout: float | None = None) -> tuple[int | None, str | None]:
+        return probe_health(base_url, self.timeout if timeout is None else timeout, client=self.client)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> Scraper:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()

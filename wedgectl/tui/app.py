@@ -25,6 +25,7 @@ from wedgectl.tui import model
 from wedgectl.tui.source import (
     BundleSource,
     Collector,
+    CpuMeter,
     LiveSource,
     ServerInfo,
     find_servers,
@@ -52,6 +53,8 @@ wedgectl top: a vLLM deployment and its live verdict, refreshed every few second
   d        take a Python stack dump now (py-spy --nonblocking: never pauses the target)
   D        take a native stack dump (py-spy --native pauses each process ~50 ms)
   w        swap the deployment to the patched engine (shows the plan, asks first)
+  p        pin the selected process's stack beside the next one you select:
+           two ranks side by side (p on the pinned one unpins)
   [  ]     replaying a bundle: one sample back / forward
   up/down  move in the focused table; tab switches between processes and threads
   ?  h     this help (escape closes it)
@@ -101,8 +104,12 @@ class Notice(Message):
 class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,q,question_mark,h", "dismiss", "close")]
 
+    def __init__(self, cpu_line: str = "") -> None:
+        super().__init__()
+        self.cpu_line = cpu_line
+
     def compose(self) -> ComposeResult:
-        yield Static(HELP, id="help")
+        yield Static(HELP + (f"\n{self.cpu_line}\n" if self.cpu_line else ""), id="help")
 
 
 class SwapPlanned(Message):
@@ -191,6 +198,7 @@ class TopApp(App):
         Binding("d", "dump(False)", "stacks"),
         Binding("D", "dump(True)", "native stacks"),
         Binding("w", "swap", "swap engine"),
+        Binding("p", "pin", "pin stack"),
         Binding("left_square_bracket", "step(-1)", "older", show=False),
         Binding("right_square_bracket", "step(1)", "newer", show=False),
         Binding("question_mark,h", "help", "help"),
@@ -214,6 +222,8 @@ class TopApp(App):
         self.last_frame_at: float | None = None  # monotonic time the last frame arrived
         self.last_error: str | None = None
         self._timer = None
+        self.cpu = CpuMeter()
+        self.pinned_pid: int | None = None  # a rank's stack kept beside the selected one's
 
     # ------------------------------------------------------------ layout
 
@@ -225,6 +235,7 @@ class TopApp(App):
         self.w_procs = ProcessTable(id="procs")
         self.w_threads = ThreadTable(id="threads")
         self.w_stack = StackView(id="stack")
+        self.w_pinned = StackView(id="pinned")
         self.w_evidence = EvidenceView(id="evidence")
         yield self.w_banner
         yield self.w_status_line
@@ -235,6 +246,8 @@ class TopApp(App):
         with Horizontal(id="bottom-row"):
             with VerticalScroll(id="stack-box"):
                 yield self.w_stack
+            with VerticalScroll(id="pinned-box"):
+                yield self.w_pinned
             with VerticalScroll(id="evidence-box"):
                 yield self.w_evidence
         yield Footer()
@@ -374,6 +387,9 @@ class TopApp(App):
         dumps = frame.stacks.get(self.selected_pid, ())
         now = time.time() if self.collector is not None else None
         self.w_stack.lines = tuple(model.stack_lines(dumps, self.selected_tid, now))
+        if self.pinned_pid is not None:
+            pinned = frame.stacks.get(self.pinned_pid, ())
+            self.w_pinned.lines = tuple(model.stack_lines(pinned, frame.main_tids.get(self.pinned_pid), now))
 
     def watch_selected_pid(self, pid: int | None) -> None:
         self.selected_tid = None
@@ -394,7 +410,9 @@ class TopApp(App):
     # ------------------------------------------------------------- keys
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen())
+        pct, secs = self.cpu.reading()
+        self.push_screen(HelpScreen(f"wedgectl top itself: {pct:.1f} % of one core over the last {secs:.0f} s "
+                                    "(py-spy included; the goal is under 1 % at 1 s refresh)"))
 
     def action_save(self) -> None:
         if self.source is None:
@@ -416,6 +434,15 @@ class TopApp(App):
             self.post_message(Notice(f"could not save the bundle: {exc}", "error"))
             return
         self.post_message(Notice(f"saved {path} ({len(bundle.samples)} samples, verdict {bundle.verdict.verdict.value})"))
+
+    def action_pin(self) -> None:
+        """Keep the selected process's main-thread stack on screen beside the live selection: two ranks side by side."""
+        self.pinned_pid = None if self.pinned_pid == self.selected_pid else self.selected_pid
+        box = self.query_one("#pinned-box")
+        box.display = self.pinned_pid is not None
+        rank = next((p.rank for p in (self.frame.processes if self.frame else ()) if p.pid == self.pinned_pid), "")
+        box.border_title = f"pinned: pid {self.pinned_pid}" + (f" {rank}" if rank else "")
+        self._draw_stack()
 
     def action_dump(self, native: bool) -> None:
         if self.collector is None:

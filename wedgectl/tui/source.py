@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import resource
 import threading
 import time
 from collections import deque
@@ -25,6 +26,7 @@ from wedgectl.collect import processes
 from wedgectl.discover import Deployment, base_url_from_listening, discover
 from wedgectl.errors import WedgectlError
 from wedgectl.redact import redact_text, redact_url
+from wedgectl.collect.scrape import Scraper
 from wedgectl.sampler import SamplerOptions, take_sample
 from wedgectl.sources import host_facts, read_log_lines
 from wedgectl.tui.model import Frame, ScrapedSample, build_frame, describe_target
@@ -49,6 +51,7 @@ class LiveSource:
         self.pid = pid
         self.url = url
         self.options = options
+        self.scraper = Scraper(options.scrape_timeout_s)  # one client for the session: a new one per scrape cost most of top's CPU
         self._manifest = Manifest(
             created=time.time(),
             wedgectl_version=__version__,
@@ -74,7 +77,10 @@ class LiveSource:
     def take(self, with_stacks: bool, native: bool = False) -> Sample:
         if self.deployment.metrics_url is None and self.pid is not None:
             self._rediscover()  # the API server was not listening yet
-        return take_sample(self.deployment, with_stacks, replace(self.options, native=native))
+        return take_sample(self.deployment, with_stacks, replace(self.options, native=native), scraper=self.scraper)
+
+    def close(self) -> None:
+        self.scraper.close()
 
     def _rediscover(self) -> None:
         try:
@@ -175,6 +181,24 @@ class Collector:
         log = self.source.log_tail(SAVE_LOG_BYTES)
         b = Bundle(self.source.manifest(), samples, log)
         return replace(b, verdict=classify(b))
+
+
+class CpuMeter:
+    """This process's CPU, its waited-for children's (py-spy) included, as a share of one core
+    since the meter started: what top costs the machine it watches (the help screen shows it)."""
+
+    def __init__(self) -> None:
+        self.t0, self.c0 = time.monotonic(), _cpu_s()
+
+    def reading(self) -> tuple[float, float]:
+        """(percent of one core, seconds measured)."""
+        wall = time.monotonic() - self.t0
+        return (100 * (_cpu_s() - self.c0) / wall if wall > 0 else 0.0), wall
+
+
+def _cpu_s() -> float:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def save_bundle(bundle: Bundle, directory: Path) -> Path:

@@ -14,7 +14,10 @@ from textual.widgets import DataTable, Label, Static
 from wedgectl.tui.model import CounterRow, ProcessRow, ThreadRow, spark_text
 from wedgectl.types import Verdict, VerdictKind
 
-HANG_KINDS = {VerdictKind.ADMISSION_WEDGE, VerdictKind.ENGINE_DEADLOCK, VerdictKind.SHUTDOWN_HANG, VerdictKind.ENGINE_DEAD}
+HANG_KINDS = {
+    VerdictKind.ADMISSION_WEDGE, VerdictKind.ENGINE_DEADLOCK, VerdictKind.SHUTDOWN_HANG, VerdictKind.ENGINE_DEAD,
+    VerdictKind.STARTUP_HANG, VerdictKind.ORPHANED_ENGINE, VerdictKind.LEAKED_CAPACITY, VerdictKind.COLLECTIVE_HANG,
+}
 FUTEX_COLOURS = ("yellow", "magenta", "cyan", "green", "bright_red", "bright_blue")
 
 
@@ -138,13 +141,13 @@ class _KeyedTable(DataTable):
 class ProcessTable(_KeyedTable):
     """The deployment's processes: role, state, CPU %."""
 
-    COLUMNS = ("PID", "ROLE", "S", "CPU%", "THR", "RSS MB", "NAME")
+    COLUMNS = ("PID", "ROLE", "RANK", "S", "CPU%", "THR", "RSS MB", "NAME")
     entries: reactive[tuple[ProcessRow, ...]] = reactive((), init=False)
     selected: int | None = None
 
     def watch_entries(self, rows: Sequence[ProcessRow]) -> None:
         self.set_rows(
-            [(str(p.pid), (str(p.pid), p.role, p.state, _pct(p.cpu_pct), str(p.threads),
+            [(str(p.pid), (str(p.pid), p.role, p.rank or "-", p.state, _pct(p.cpu_pct), str(p.threads),
                            "-" if p.rss_mb is None else f"{p.rss_mb:.0f}", p.name)) for p in rows],
             None if self.selected is None else str(self.selected),
         )

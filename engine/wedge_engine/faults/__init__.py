@@ -17,8 +17,12 @@ FAULT_ENV = "WEDGE_ENGINE_FAULT"
 
 FAULTS: dict[str, str] = {
     "admission-overhang": "wedge_engine.faults.overhang",
+    "lost-abort": "wedge_engine.faults.lostabort",
+    "stream-sessions": "wedge_engine.faults.sessions",
     "model-stall": "wedge_engine.faults.stall",
     "runaway-hold": "wedge_engine.faults.runaway",
+    "startup-stall": "wedge_engine.faults.startstall",
+    "collective-hold": "wedge_engine.faults.collective",
 }
 
 

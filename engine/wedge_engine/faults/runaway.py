@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from wedge_engine._env import positive_seconds
+from wedge_engine.faults._patch import MethodPatch, is_fault
 
 HOLD_ENV = "WEDGE_ENGINE_FAULT_HOLD_S"
 DEFAULT_HOLD_S = 90.0
@@ -53,8 +54,7 @@ MAX_PAUSE_S = 1.0
 
 logger = logging.getLogger("vllm.wedge_engine")
 
-_MARK = "__wedge_engine_fault__"
-_original: dict[str, Any] = {}
+_patch = MethodPatch()
 
 
 def hold_s_from(environ: Mapping[str, str]) -> float:
@@ -106,7 +106,7 @@ def activate(environ: Mapping[str, str], cls: type | None = None,
     hold_s = hold_s_from(environ)
     cls = cls if cls is not None else _scheduler_class()
     schedule = cls.__dict__["schedule"]
-    if getattr(schedule, _MARK, False):
+    if is_fault(schedule):
         return "already active"
     pace = Pace(hold_s, clock)
 
@@ -117,21 +117,15 @@ def activate(environ: Mapping[str, str], cls: type | None = None,
             sleep(pause)
         return schedule(self, *args, **kwargs)
 
-    setattr(schedule_paced, _MARK, True)
-    _original["cls"] = cls
-    _original["schedule"] = schedule
-    cls.schedule = schedule_paced
+    _patch.install(cls, "schedule", schedule, schedule_paced)
     return f"{cls.__name__}.schedule paces decode so the longest request ends no sooner than {hold_s:g} s after its first token"
 
 
 def is_active() -> bool:
     """Whether this process's Scheduler.schedule carries the pacing."""
-    return bool(_original)
+    return _patch.active
 
 
 def deactivate() -> None:
     """Put the original schedule back (tests)."""
-    if not _original:
-        return
-    _original["cls"].schedule = _original["schedule"]
-    _original.clear()
+    _patch.restore()

@@ -39,13 +39,14 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from wedge_engine.faults._patch import MethodPatch, ParkAfter, is_fault
+
 AFTER_STEPS_ENV = "WEDGE_ENGINE_FAULT_AFTER_STEPS"
 DEFAULT_AFTER_STEPS = 3
 
 logger = logging.getLogger("vllm.wedge_engine")
 
-_MARK = "__wedge_engine_fault__"
-_original: dict[str, Any] = {}
+_patch = MethodPatch()
 # Never set in a real run; tests set it to let a parked thread go.
 _never = threading.Event()
 
@@ -83,45 +84,26 @@ def activate(environ: Mapping[str, str], cls: type | None = None) -> str:
     after = after_steps_from(environ)
     cls = cls if cls is not None else _worker_wrapper_class()
     execute_model = cls.__dict__["execute_model"]
-    if getattr(execute_model, _MARK, False):
+    if is_fault(execute_model):
         return "already active"
-    state = {"done": 0, "stalled": False}
-    lock = threading.Lock()
+    gate = ParkAfter(after, _never, lambda done: logger.warning(
+        "wedge_engine: model-stall: execute_model blocks forever now, after %d model steps", done))
 
     @functools.wraps(execute_model)
     def execute_model_then_stall(self, scheduler_output, *args, **kwargs):
         if not _schedules_tokens(scheduler_output):
             return execute_model(self, scheduler_output, *args, **kwargs)
-        with lock:
-            stall = state["done"] >= after
-            if stall and not state["stalled"]:
-                state["stalled"] = True
-                logger.warning(
-                    "wedge_engine: model-stall: execute_model blocks forever now, after %d model steps",
-                    state["done"],
-                )
-        if stall:
-            _never.wait()
-        out = execute_model(self, scheduler_output, *args, **kwargs)
-        with lock:
-            state["done"] += 1
-        return out
+        return gate.call(execute_model, self, scheduler_output, *args, **kwargs)
 
-    setattr(execute_model_then_stall, _MARK, True)
-    _original["cls"] = cls
-    _original["execute_model"] = execute_model
-    cls.execute_model = execute_model_then_stall
+    _patch.install(cls, "execute_model", execute_model, execute_model_then_stall)
     return f"{cls.__name__}.execute_model blocks forever after {after} model steps"
 
 
 def is_active() -> bool:
     """Whether this process's execute_model carries the stall."""
-    return bool(_original)
+    return _patch.active
 
 
 def deactivate() -> None:
     """Put the original execute_model back (tests). A call already parked stays parked until _never is set."""
-    if not _original:
-        return
-    _original["cls"].execute_model = _original["execute_model"]
-    _original.clear()
+    _patch.restore()

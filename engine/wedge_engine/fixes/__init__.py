@@ -31,6 +31,7 @@ FIXES_ENV = "WEDGE_ENGINE_FIXES"
 WATCHDOG_ENV = "WEDGE_ENGINE_WATCHDOG_S"
 SHUTDOWN_ENV = "WEDGE_ENGINE_SHUTDOWN_S"
 HONEST_LEN_ENV = "WEDGE_ENGINE_HONEST_MAX_MODEL_LEN"
+STARTUP_ENV = "WEDGE_ENGINE_STARTUP_S"
 
 # Application order: the status record first (the others read or count into it).
 FIXES: dict[str, str] = {
@@ -38,12 +39,17 @@ FIXES: dict[str, str] = {
     "admission": "wedge_engine.fixes.admission",
     "watchdog": "wedge_engine.fixes.watchdog",
     "shutdown": "wedge_engine.fixes.shutdown",
+    "startup": "wedge_engine.fixes.startup",
+    "orphan": "wedge_engine.fixes.orphan",
+    "reaper": "wedge_engine.fixes.reaper",
 }
 
 # A model step on a healthy server takes milliseconds (seconds for a huge
 # prefill on a CPU); 60 s without one while requests wait is a hang.
 DEFAULT_WATCHDOG_S = 60.0
 DEFAULT_SHUTDOWN_S = 10.0
+# A large model loaded from network storage and compiled starts in minutes, never twenty.
+DEFAULT_STARTUP_S = 1200.0
 
 
 class FixConfigError(ValueError):
@@ -57,6 +63,7 @@ class FixSettings:
     fixes: frozenset[str] = frozenset()
     watchdog_s: float = DEFAULT_WATCHDOG_S
     shutdown_s: float = DEFAULT_SHUTDOWN_S
+    startup_s: float = DEFAULT_STARTUP_S
     # The admission guard lowers an over-advertised max_model_len; "0" keeps
     # vLLM's figure and leaves only the scheduler guard (tests of that guard).
     honest_max_model_len: bool = True
@@ -110,6 +117,7 @@ def settings_from(environ: Mapping[str, str]) -> FixSettings:
         fixes=fixes,
         watchdog_s=positive_seconds(environ, WATCHDOG_ENV, DEFAULT_WATCHDOG_S, FixConfigError),
         shutdown_s=positive_seconds(environ, SHUTDOWN_ENV, DEFAULT_SHUTDOWN_S, FixConfigError),
+        startup_s=positive_seconds(environ, STARTUP_ENV, DEFAULT_STARTUP_S, FixConfigError),
         honest_max_model_len=_flag(environ, HONEST_LEN_ENV, True),
     )
 
@@ -134,6 +142,7 @@ __all__ = [
     "FIXES_ENV",
     "HONEST_LEN_ENV",
     "SHUTDOWN_ENV",
+    "STARTUP_ENV",
     "WATCHDOG_ENV",
     "FixConfigError",
     "FixSettings",

@@ -1,0 +1,75 @@
+"""The leaked-capacity and deferred-admission repros end to end on the real CPU vLLM 0.32."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_repros import evidence_text, repro  # the one helper that runs `wedgectl repro NAME --json`
+from wedgectl.bundle import read_bundle
+from wedgectl.metrics import parse_metrics
+
+pytestmark = pytest.mark.integration
+
+
+def test_deferred_wedge(vllm_python, tmp_path):
+    rc, out = repro("deferred-wedge", tmp_path)
+    assert (out["verdict"], out["expected"], rc) == ("admission_wedge", "admission_wedge", 0), evidence_text(out)
+    facts = out["facts"]
+    assert facts["reason"] == "deferred"
+    assert facts["waiting_deferred"] == 2 and facts["waiting_capacity"] >= 1  # two parked sessions, one new request
+    assert facts["kv_usage_pct"] < 5  # KV mostly free
+    assert facts["frozen_s"] >= 2
+    assert "= --max-num-seqs 2" in evidence_text(out)
+    b = read_bundle(out["bundle"])
+    m = parse_metrics(b.samples[-1].metrics.text)
+    assert m.running == 0 and b.samples[-1].health_status == 200  # health passes, nothing runs
+
+
+def test_leaked_capacity(vllm_python, tmp_path):
+    rc, out = repro("leaked-capacity", tmp_path)
+    assert (out["verdict"], out["expected"], rc) == ("leaked_capacity", "leaked_capacity", 0), evidence_text(out)
+    facts = out["facts"]
+    assert facts["running"] == 3 and facts["waiting"] == 1  # three ghosts hold every slot; one real client waits
+    # The real client and the clients' own /metrics poller (keep-alive) are connected; wedgectl is not counted.
+    assert facts["client_connections"] == 2
+    assert facts["leaked"] == 2
+    assert facts["tokens_per_s"] > 0  # the engine generates for nobody
+    b = read_bundle(out["bundle"])
+    assert sum("fault lost-abort: client gone" in line for line in b.log_lines) == 3
+    ghosts = [r for r in out["client"] if "error" in r and "Timeout" in r["error"]]
+    assert len(ghosts) == 3  # the three clients gave up
+
+
+def test_reaper_frees_leaked_capacity(vllm_python, tmp_path):
+    """The leaked-capacity workload with the patched engine's reaper on: each disconnect the fault
+    leaves unaborted is reaped and counted, and the real client gets its answer."""
+    import time
+
+    from wedgectl.lifecycle import health_client, stop_server
+    from wedgectl.repro import Workload, find_config, scrape_snapshot, start_repro_server
+
+    cfg = find_config("leaked-capacity")
+    env = {**cfg.env, "WEDGE_ENGINE_FIXES": "reaper"}
+    server, log_path = start_repro_server(cfg, env, str(vllm_python), tmp_path, lambda _m: None)
+    workload = Workload(server.url, cfg)
+    try:
+        workload.start_now()  # the three clients that give up after 1.5 s
+        snap = None
+        with health_client() as client:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                snap = scrape_snapshot(client, server.url)
+                if snap is not None and snap.value("wedge_engine:reaped_requests_total") == 3 and not snap.running:
+                    break
+                time.sleep(0.5)
+            assert snap is not None and snap.value("wedge_engine:reaped_requests_total") == 3
+            assert (snap.running or 0) == 0 and (snap.waiting or 0) == 0  # every slot freed
+            # A new client is served at once: nothing holds the slots.
+            r = client.post(f"{server.url}/v1/completions", timeout=60,
+                            json={"model": "tiny", "prompt": "The capital of France is", "max_tokens": 16})
+            assert r.status_code == 200
+        log = log_path.read_text(errors="replace")
+        assert log.count("fault lost-abort: client gone") == 3 and log.count("reaper: client of request") == 3
+    finally:
+        workload.stop()
+        stop_server(server, grace=5)

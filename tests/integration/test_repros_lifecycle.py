@@ -1,0 +1,61 @@
+"""The start-up and orphan repros on real vLLM 0.32: the verdict, its evidence, and nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from wedgectl.bundle import read_bundle
+
+pytestmark = pytest.mark.integration
+
+
+def repro(name: str, out: Path) -> tuple[int, dict]:
+    r = subprocess.run([sys.executable, "-m", "wedgectl", "repro", name, "--json", "--out", str(out)],
+                       capture_output=True, text=True, timeout=480)
+    assert r.stdout.strip(), r.stderr[-3000:]
+    return r.returncode, json.loads(r.stdout)
+
+
+def assert_nothing_left(bundle_path: Path) -> None:
+    """Every pid the capture saw is gone (the orphans included): the repro's teardown ended them."""
+    b = read_bundle(bundle_path)
+    pids = {p.pid: p.started for s in b.samples for p in s.processes}
+    assert pids
+    for pid, started in pids.items():
+        try:
+            proc = psutil.Process(pid)
+            same = started is not None and abs(proc.create_time() - started) < 1
+            assert not same or proc.status() == psutil.STATUS_ZOMBIE, f"pid {pid} outlived the repro"
+        except psutil.NoSuchProcess:
+            pass
+
+
+def test_orphaned_engine_from_a_surviving_worker(vllm_python, tmp_path):
+    rc, out = repro("orphaned-engine", tmp_path)
+    assert rc == 0 and out["verdict"] == "orphaned_engine", out["summary"]
+    f = out["facts"]
+    roles = set(f["roles"].values())
+    assert {"engine_core", "worker"} <= roles and f["reparented"] is True
+    assert f["rss_bytes"] > 100 * 2**20  # the survivors hold the model and the KV pool
+    assert f["devices"] == []  # a CPU host: no accelerator held
+    text = " | ".join(e["what"] for e in out["evidence"])
+    assert "accelerator memory: not visible" in text and "parent pid 1" in text
+    assert out["advice"][0].startswith("Kill them: kill -9 ") and all(str(p) in out["advice"][0] for p in f["pids"])
+    assert_nothing_left(tmp_path / "bundle.tar.gz")
+
+
+def test_startup_hang_names_its_phase(vllm_python, tmp_path):
+    rc, out = repro("startup-hang", tmp_path)
+    assert rc == 0 and out["verdict"] == "startup_hang", out["summary"]
+    f = out["facts"]
+    assert f["phase"] == "graph capture / warm-up" and f["stuck_s"] >= f["deadline_s"] == 60.0
+    assert out["confidence"] >= 0.85
+    text = " | ".join(e["what"] for e in out["evidence"])
+    assert "never listening" in text and "compile_or_warm_up_model" in text
+    assert_nothing_left(tmp_path / "bundle.tar.gz")

@@ -1,0 +1,100 @@
+"""Tensor parallelism 2 on the real CPU vLLM, compiled mode: the collective hang, every rank found from any rank, and the healthy control.
+
+Each server costs a compiled start-up (~75 s on 2 idle cores, minutes under load): the hung
+one is shared by the module's tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from wedgectl.bundle import read_bundle
+from wedgectl.repro import find_config, run_repro
+from wedgectl.types import Role, VerdictKind
+
+pytestmark = pytest.mark.integration
+
+
+# First: it runs its own server, which must be gone before the module's hung one starts.
+def test_healthy_tp2_is_progressing(vllm_python, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "wedgectl", "repro", "healthy-tp2", "--json", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    out = json.loads(r.stdout)
+    assert (out["verdict"], r.returncode) == ("progressing", 0), out["summary"]
+
+
+@pytest.fixture(scope="module")
+def hung_tp2(vllm_python, tmp_path_factory):
+    """A real collective hang, kept hung: the ReproResult. In this process on purpose: the
+    workload's clients live here and keep the request in flight (see test_top_live)."""
+    out = tmp_path_factory.mktemp("collective")
+    result = run_repro(find_config("collective-hang"), python=str(vllm_python), out_dir=out, keep=True)
+    try:
+        assert result.symptom_s is not None, f"the hang did not happen: {result.notes}"
+        yield result
+    finally:
+        # Started with start_new_session: the process group is the API server's pid and holds
+        # the EngineCore, both Workers and the resource tracker.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(result.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(result.pid, 0)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(result.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.2)
+
+
+def _diagnose(pid: int, *extra: str) -> tuple[int, dict]:
+    r = subprocess.run([sys.executable, "-m", "wedgectl", "diagnose", "--pid", str(pid), "--json", "--window", "4",
+                        "--ebpf", "off", *extra], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip(), r.stderr[-2000:]
+    return r.returncode, json.loads(r.stdout)
+
+
+def _worker_pids(result) -> list[int]:
+    b = read_bundle(result.bundle_path)
+    return sorted(p.pid for p in b.samples[-1].processes if p.role is Role.WORKER)
+
+
+def test_collective_hang_names_rank_1(hung_tp2):
+    v = hung_tp2.verdict
+    assert v is not None and v.verdict is VerdictKind.COLLECTIVE_HANG, v and v.summary
+    assert v.facts["lagging_ranks"] == [1] and v.facts["waiting_ranks"] == [0]
+    assert "TP1" in v.facts["laggard_frames"]
+    ranks = {r["label"]: r for r in v.facts["ranks"]}
+    assert ranks["TP0"]["where"] == "inside a collective" and ranks["TP1"]["where"] == "before the collective"
+    assert ranks["TP0"]["kind"] == "compiled graph"  # compiled mode: no collective frame in Python
+    assert ranks["TP0"]["stuck"] and ranks["TP1"]["stuck"]
+
+
+def test_diagnose_from_any_rank_finds_every_rank(hung_tp2):
+    workers = _worker_pids(hung_tp2)
+    assert len(workers) == 2
+    for pid in workers:
+        rc, out = _diagnose(pid)
+        assert (out["verdict"], rc) == ("collective_hang", 19), out["summary"]
+        assert sorted(r["label"] for r in out["ranks"]) == ["TP0", "TP1"]
+        assert {r["pid"] for r in out["ranks"]} == set(workers)
+        assert out["facts"]["lagging_ranks"] == [1]
+
+
+def test_native_frames_name_the_collective(hung_tp2):
+    """--native (asked for: py-spy pauses each process briefly) names shm_allreduce in rank 0."""
+    rc, out = _diagnose(_worker_pids(hung_tp2)[0], "--native")
+    assert (out["verdict"], rc) == ("collective_hang", 19), out["summary"]
+    ranks = {r["label"]: r for r in out["ranks"]}
+    assert ranks["TP0"]["native"] and ranks["TP0"]["kind"] == "collective"
+    assert "shm_allreduce" in ranks["TP0"]["frame"]
+    assert out["facts"]["hang_shape"] == "rank_never_arrived"

@@ -1,0 +1,65 @@
+"""The API server's client-connection count on real sockets: clients count, wedgectl's own scrapes do not."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+
+from wedgectl.collect.processes import sample_process
+from wedgectl.types import Role
+
+SERVER = """
+import socket, sys, time
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(8)
+print(s.getsockname()[1], flush=True)
+held = []
+s.settimeout(30)
+while True:
+    try:
+        held.append(s.accept()[0])
+    except OSError:
+        break
+"""
+CLIENT = """
+import socket, sys, time
+c = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+print("ok", flush=True)
+time.sleep(30)
+"""
+
+
+def _established(pid: int, want: int, deadline_s: float = 5.0) -> int:
+    n = -1
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        sample, _ = sample_process(psutil.Process(pid), Role.API_SERVER, with_threads=False)
+        n = sample.connections
+        if n == want:
+            break
+        time.sleep(0.05)
+    return n
+
+
+def test_own_connections_are_not_clients():
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+    clients: list[subprocess.Popen] = []
+    ours = None
+    try:
+        port = int(server.stdout.readline())
+        ours = socket.create_connection(("127.0.0.1", port), timeout=5)  # as wedgectl's scrape would be
+        assert _established(server.pid, 0) == 0
+        for _ in range(2):
+            c = subprocess.Popen([sys.executable, "-c", CLIENT, str(port)], stdout=subprocess.PIPE, text=True)
+            clients.append(c)
+            assert c.stdout.readline().strip() == "ok"
+        assert _established(server.pid, 2) == 2
+    finally:
+        if ours is not None:
+            ours.close()
+        for p in (*clients, server):
+            p.kill()
+            p.wait(timeout=5)

@@ -1,0 +1,205 @@
+"""The sampler's escalation (sampler.next_step) and the short-window certainty it relies on, on recorded bundles.
+
+Each recorded bundle (tests/fixtures/bundles) is a real capture, one sample a
+second. Replaying its samples one by one shows what a live capture decides after
+each: stop, sample on, take a stack burst, attach the probes. The classifier
+decides certainty; these tests hold that a short window is never enough for a hang
+unless the evidence agrees, and that a healthy server is released after two scrapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from wedgectl.bundle import read_bundle
+from wedgectl.classify import classify
+from wedgectl.classify.corroboration import starved_for_capacity, wedge_refused_for_capacity
+from wedgectl.classify.facts import MIN_FROZEN_S, Facts
+from wedgectl.metrics import parse_metrics
+from wedgectl.sampler import CERTAIN, ESCALATE_BURST, SamplerOptions, next_step
+from wedgectl.types import Bundle, Role, VerdictKind
+
+BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
+
+
+def load(name: str) -> Bundle:
+    return replace(read_bundle(BUNDLES / f"{name}.tar.gz"), verdict=None)
+
+
+def replay(b: Bundle, options: SamplerOptions = SamplerOptions(ebpf="auto")) -> list[tuple[int, VerdictKind, float, object]]:
+    """(samples seen, verdict, confidence, step) after each sample, as the live loop decides, until it stops."""
+    out = []
+    burst_taken = probes = False
+    for k in range(1, len(b.samples) + 1):
+        prefix = replace(b, samples=b.samples[:k])
+        v = classify(prefix)
+        elapsed = b.samples[k - 1].t - b.samples[0].t
+        step = next_step(v, k, elapsed, options, burst_taken, probes)
+        out.append((k, v.verdict, v.confidence, step))
+        burst_taken = burst_taken or step.burst > 1
+        probes = probes or step.probes
+        if step.stop:
+            break
+    return out
+
+
+@pytest.mark.parametrize("name, kind", [("healthy", VerdictKind.PROGRESSING), ("idle", VerdictKind.IDLE),
+                                        ("shutdown-hang", VerdictKind.SHUTDOWN_HANG)])
+def test_two_scrapes_decide_the_cheap_states(name, kind):
+    steps = replay(load(name))
+    k, verdict, confidence, step = steps[-1]
+    assert (k, verdict, step.stop) == (2, kind, True)  # one second of evidence, no burst, no probes
+    assert confidence >= CERTAIN
+    assert not any(s.burst > 1 or s.probes for *_, s in steps)
+
+
+def test_one_sample_never_decides():
+    b = load("healthy")
+    v = classify(replace(b, samples=b.samples[:1]))
+    step = next_step(v, 1, 0.0, SamplerOptions(), False, False)
+    assert not step.stop and step.burst == 0
+
+
+@pytest.mark.parametrize("name", ["admission-wedge", "engine-deadlock"])
+def test_a_hang_is_not_certain_on_a_short_window(name):
+    """Counters frozen for less than MIN_FROZEN_S: a slow step looks the same. Not certain, so the
+    capture samples on, and the first uncertain verdict buys a burst of the engine's stacks."""
+    b = load(name)
+    short = replace(b, samples=b.samples[:2])
+    assert Facts(short).gen_tokens.span_s < MIN_FROZEN_S
+    v = classify(short)
+    assert v.confidence < CERTAIN
+    step = next_step(v, 2, short.samples[-1].t - short.samples[0].t, SamplerOptions(), False, False)
+    assert not step.stop and step.burst == ESCALATE_BURST
+
+
+def test_wedge_is_certain_once_the_burst_agrees():
+    """Refused for capacity at every scrape, empty KV pool, engine spinning and the Workers outside
+    the model in the burst: certain after MIN_FROZEN_S, long before CERTAIN_FROZEN_S."""
+    b = load("admission-wedge")
+    # The first three samples (2 s) plus the recorded burst: what the escalating sampler takes.
+    window = replace(b, samples=(*b.samples[:2], replace(b.samples[2], stacks=b.samples[-1].stacks)))
+    f = Facts(window)
+    assert f.gen_tokens.span_s >= MIN_FROZEN_S and f.engine_spinning
+    assert wedge_refused_for_capacity(f)
+    v = classify(window)
+    assert v.verdict is VerdictKind.ADMISSION_WEDGE and v.confidence >= CERTAIN
+    # Without the burst the Workers' whereabouts are unknown: not certain yet.
+    no_burst = replace(window, samples=(*window.samples[:2], replace(window.samples[2], stacks=())))
+    assert not wedge_refused_for_capacity(Facts(no_burst))
+    assert classify(no_burst).confidence < CERTAIN
+
+
+def test_a_slow_step_is_not_a_certain_wedge_or_deadlock():
+    """A step slower than the window (a long prefill): counters frozen with a request running and
+    the Worker inside the model, burning CPU. Built from the starved bundle (a runaway decoding) by
+    holding its metrics still: whatever the rules say, they must not be certain, so the capture
+    keeps sampling."""
+    b = load("starved")
+    first = b.samples[0].metrics
+    assert (parse_metrics(first.text).running or 0) >= 1
+    frozen = replace(b, samples=tuple(replace(s, metrics=replace(first, t=s.t)) for s in b.samples[:3]))
+    f = Facts(frozen)
+    assert f.tokens_frozen and f.running >= 1 and not f.engine_parked
+    v = classify(frozen)
+    assert v.confidence < CERTAIN, (v.verdict, v.confidence)
+    step = next_step(v, 3, frozen.samples[-1].t - frozen.samples[0].t, SamplerOptions(), False, False)
+    assert not step.stop
+
+
+def test_deadlock_left_open_after_the_burst_attaches_the_probes():
+    """The engine parked with work in flight, but no Worker stack to say where: the burst is spent,
+    so a parked-engine class asks the probes how long the main threads have waited (auto only)."""
+    b = load("engine-deadlock")
+    no_stacks = replace(b, samples=tuple(replace(s, stacks=()) for s in b.samples[:4]))
+    v = classify(no_stacks)
+    assert v.verdict is VerdictKind.ENGINE_DEADLOCK and v.confidence < CERTAIN
+    elapsed = no_stacks.samples[-1].t - no_stacks.samples[0].t
+    assert next_step(v, 4, elapsed, SamplerOptions(ebpf="auto"), True, False).probes
+    assert not next_step(v, 4, elapsed, SamplerOptions(ebpf="off"), True, False).probes
+    assert not next_step(v, 4, elapsed, SamplerOptions(ebpf="auto"), True, True).probes  # once
+    # With too little window left the probes could not see a wait: not attached.
+    assert not next_step(v, 4, 4.5, SamplerOptions(ebpf="auto", window_s=6.0), True, False).probes
+
+
+def test_deadlock_is_certain_with_the_worker_burst():
+    b = load("engine-deadlock")
+    window = replace(b, samples=(*b.samples[:4], replace(b.samples[4], stacks=b.samples[-1].stacks)))
+    v = classify(window)
+    assert v.verdict is VerdictKind.ENGINE_DEADLOCK and v.confidence >= CERTAIN
+    assert v.facts["worker_model_share"] >= 0.9 and v.facts["engine_cores"] <= 0.2
+
+
+def test_starved_is_certain_when_vllm_names_capacity():
+    b = load("starved")
+    window = replace(b, samples=b.samples[:3])
+    f = Facts(window)
+    assert f.gen_tokens.span_s >= MIN_FROZEN_S and starved_for_capacity(f)
+    v = classify(window)
+    assert v.verdict is VerdictKind.STARVED and v.confidence >= CERTAIN
+    assert not starved_for_capacity(Facts(replace(b, samples=b.samples[:2])))  # 1.2 s: too short
+
+
+def test_the_window_bounds_an_uncertain_capture():
+    b = load("admission-wedge")
+    v = classify(replace(b, samples=b.samples[:2]))
+    step = next_step(v, 5, 5.5, SamplerOptions(window_s=6.0), True, True)
+    assert step.stop and step.why == "window over"
+
+
+def test_saturated_server_slow_first_scrape_still_progressing():
+    """A saturated API server: the first scrape timed out, the next two moved. Two answered scrapes a
+    second apart with the counter rising are enough; the failed one costs no certainty."""
+    b = load("healthy")
+    failed = replace(b.samples[0].metrics, text=None, status=None, error="timeout: body not complete within 4.0s")
+    samples = (replace(b.samples[0], metrics=failed), *b.samples[1:3])
+    v = classify(replace(b, samples=samples))
+    assert v.verdict is VerdictKind.PROGRESSING and v.confidence >= CERTAIN
+    assert next_step(v, 3, samples[-1].t - samples[0].t, SamplerOptions(), False, False).stop
+
+
+def test_no_stacks_means_no_burst():
+    b = load("admission-wedge")
+    v = classify(replace(b, samples=b.samples[:2]))
+    assert next_step(v, 2, 1.0, SamplerOptions(stacks=False), False, False).burst == 0
+
+
+def test_engine_roles_present_in_recorded_bursts():
+    # The burst the sampler takes is of the EngineCore and Workers only (one dump of the others).
+    b = load("engine-deadlock")
+    pids = {p.pid: p.role for p in b.samples[-1].processes}
+    burst_roles = {pids[d.pid] for d in b.samples[-1].stacks if pids.get(d.pid)}
+    assert {Role.ENGINE_CORE, Role.WORKER} <= burst_roles
+
+
+# Captures recorded by the escalating sampler itself (repro runs on a loaded 2-core host): each
+# stopped where the replay stops, on a certain verdict, with a burst only where a hang was open.
+ESCALATED = {
+    "healthy-loaded": (VerdictKind.PROGRESSING, 2, False),  # 8 streams saturating the host
+    "admission-wedge-escalated": (VerdictKind.ADMISSION_WEDGE, 3, True),
+    "engine-deadlock-escalated": (VerdictKind.ENGINE_DEADLOCK, 3, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ESCALATED))
+def test_recorded_escalated_capture_stops_where_the_replay_stops(name):
+    kind, n, burst = ESCALATED[name]
+    b = load(name)
+    assert len(b.samples) == n
+    v = classify(b)
+    assert v.verdict is kind and v.confidence >= CERTAIN
+    steps = replay(b)
+    assert len(steps) == n and steps[-1][3].stop and steps[-1][3].why == "verdict certain"
+    assert any(s.burst > 1 for *_, s in steps) is burst
+    assert max(len(s.stacks) for s in b.samples[1:]) > 0 if burst else all(not s.stacks for s in b.samples[1:])
+    if kind is not VerdictKind.PROGRESSING:
+        assert v.facts["frozen_s"] >= MIN_FROZEN_S  # earned: frozen over the classifier's threshold
+
+
+def test_saturated_server_scrapes_answered_and_counters_moved():
+    b = load("healthy-loaded")
+    f = Facts(b)
+    assert len(f.scrapes) == 2 and f.tokens_advance and f.gen_tokens.rate > 50

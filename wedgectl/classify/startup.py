@@ -1,0 +1,318 @@
+"""The startup-hang rules: a server that never finished starting, the phase it is stuck in, and for how long."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+from wedgectl import stacks as stk
+from wedgectl.classify import confidence as C
+from wedgectl.classify.evidence import fmt_duration, log_stamp, message
+from wedgectl.classify.facts import PARKED_CORES, Facts, unix_to_logtime
+from wedgectl.classify.rule import Rule
+from wedgectl.logparse import parse_stamp
+from wedgectl.types import Evidence, ProcessSample, Role, Verdict, VerdictKind
+
+# The deadlines, and why.
+# A parked engine (EngineCore + Workers <= PARKED_CORES) that has logged nothing for STARTUP_QUIET_S
+# is not loading, compiling or capturing: those burn CPU, and vLLM logs each step of start-up
+# (engine config, device init, "Starting to load model", "Loading weights took", "KV cache size",
+# "init engine ... took", "Starting vLLM server on"). Measured on vLLM 0.32 (2 CPU cores, tiny
+# model): the longest quiet gap of a healthy start was 5 s idle, 48 s at load 20+, both while the
+# EngineCore was spawned and importing (busy, or not there yet: the long deadline).
+STARTUP_QUIET_S = 60.0
+# Phases that may legitimately be quiet and slow whatever the CPU shows: weight loading from slow
+# or network storage (the CPU idles in reads), torch.compile and autotuning of a large model
+# (minutes of busy CPU, one line at the end). Past 10 min of silence even those are stuck.
+STARTUP_DEADLINE_S = 600.0
+
+WEIGHT_LOADING = "weight loading"
+TORCH_COMPILE = "torch compile"
+WARM_UP = "graph capture / warm-up"
+KV_PROFILING = "KV cache profiling"
+DEVICE_INIT = "device and distributed init"
+ENGINE_INIT = "engine core init"
+WAIT_WORKERS = "EngineCore waiting for its workers to report ready"
+WAIT_ENGINE = "API server waiting for the engine core to report ready"
+API_STARTUP = "API server start-up (engine ready)"
+SERVING = "serving"
+UNKNOWN_PHASE = "unknown (no start-up line yet)"
+SLOW_PHASES = (WEIGHT_LOADING, TORCH_COMPILE)
+
+# A start-up line and the phase the server is in once it is printed (vLLM 0.32 wording; later
+# lines win). "KV cache size" ends profiling: what follows is compile_or_warm_up_model.
+PHASE_LINES: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p), ph) for p, ph in (
+    (r"Initializing a V1 LLM engine", ENGINE_INIT),
+    (r"world_size=\d+ rank=\d+ .*backend=|init_distributed_environment", DEVICE_INIT),
+    (r"Starting to load model", WEIGHT_LOADING),
+    (r"Loading weights took|Model loading took", KV_PROFILING),
+    (r"Memory profiling takes|Available KV cache memory", KV_PROFILING),
+    (r"(?:GPU|CPU|XPU|TPU) KV cache size:", WARM_UP),
+    (r"torch\.compile|Compiling a graph|Dynamo bytecode transform", TORCH_COMPILE),
+    (r"Capturing (?:CUDA|cuda)? ?graphs?|Graph capturing", WARM_UP),
+    (r"init engine \(profile, create kv cache, warmup model\) took", API_STARTUP),
+    (r"Starting vLLM (?:API )?server|Application startup complete", SERVING),
+))
+_STAMP = re.compile(r"\b(\d{2}-\d{2} \d{2}:\d{2}:\d{2})\b")
+# Printed once a minute by an EngineCore whose workers do not answer (shm_broadcast.py): a wait, not progress.
+_WAITING_LINE = "No available shared memory broadcast block"
+
+# Frames (innermost first) that name the phase a process is in; a Worker's stack says most.
+_PHASE_FRAMES: dict[str, str] = {
+    "load_model": WEIGHT_LOADING, "load_weights": WEIGHT_LOADING, "download_weights_from_hf": WEIGHT_LOADING,
+    "safetensors_weights_iterator": WEIGHT_LOADING,
+    "compile_or_warm_up_model": WARM_UP, "capture_model": WARM_UP, "_warmup_and_capture": WARM_UP,
+    "_dummy_run": WARM_UP, "warming_up_model": WARM_UP,
+    "determine_available_memory": KV_PROFILING, "profile_run": KV_PROFILING,
+    "init_device": DEVICE_INIT, "init_distributed_environment": DEVICE_INIT, "init_process_group": DEVICE_INIT,
+    "initialize_model_parallel": DEVICE_INIT,
+    "wait_for_ready": WAIT_WORKERS,
+    "wait_for_engine_startup": WAIT_ENGINE,
+}
+
+
+@dataclass(frozen=True)
+class PhaseLine:
+    """A start-up line of the log and the phase the server is in after it."""
+
+    lineno: int
+    t: float | None  # seconds since 2000-01-01, the log's clock
+    phase: str
+    text: str
+
+
+# Cached: the sampler classifies after every sample over the same (up to 4 MiB) log tail.
+@lru_cache(maxsize=4)
+def last_progress_t(lines: tuple[str, ...]) -> float | None:
+    """The stamp of the log's last line that is not vLLM's once-a-minute 'still waiting' warning."""
+    for line in reversed(lines):
+        m = _STAMP.search(line)
+        if m and _WAITING_LINE not in line:
+            return parse_stamp(m.group(1))
+    return None
+
+
+@lru_cache(maxsize=4)
+def phase_lines(lines: tuple[str, ...]) -> tuple[PhaseLine, ...]:
+    """Every start-up line, in log order."""
+    out = []
+    for lineno, line in enumerate(lines, start=1):
+        for pattern, phase in PHASE_LINES:
+            if pattern.search(line):
+                m = _STAMP.search(line)
+                out.append(PhaseLine(lineno, parse_stamp(m.group(1)) if m else None, phase, line[:300]))
+                break
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class StackPhase:
+    pid: int
+    role: Role
+    phase: str
+    frame: str
+
+
+def stack_phase(f: Facts) -> StackPhase | None:
+    """The phase the stacks name: a Worker's first, then the EngineCore's, then the API server's."""
+    order = {Role.WORKER: 0, Role.ENGINE_CORE: 1, Role.API_SERVER: 2}
+    for p in sorted(f.last_processes, key=lambda p: order.get(p.role, 3)):
+        dump = f.stacks.get(p.pid)
+        if dump is None:
+            continue
+        for thread in dump.threads:
+            for frame, name in zip(stk.frame_names(thread), (stk.base_name(x.get("name")) for x in thread.get("frames") or ())):
+                if name in _PHASE_FRAMES:
+                    return StackPhase(p.pid, p.role, _PHASE_FRAMES[name], frame)
+                if "torch/_dynamo" in frame or "torch/_inductor" in frame:
+                    return StackPhase(p.pid, p.role, TORCH_COMPILE, frame)
+    return None
+
+
+@dataclass(frozen=True)
+class StartupState:
+    """Where a start-up stands: its phase, since when, and how sure the clock is."""
+
+    phase: str
+    last_line: PhaseLine | None
+    quiet_s: float | None  # since the log's last stamped line
+    age_s: float | None  # the API server's age
+    stack: StackPhase | None
+    serving: bool  # the log says the server started (after its last engine init)
+
+    @property
+    def stuck_s(self) -> float | None:
+        """How long it has been in this phase: the log's silence, else the process's age."""
+        return self.quiet_s if self.quiet_s is not None else self.age_s
+
+    @property
+    def slow_phase(self) -> bool:
+        return self.phase in SLOW_PHASES
+
+
+def _now_logtime(f: Facts) -> float | None:
+    """The capture's end (else the bundle's creation) on the log's clock; None for a time no calendar holds."""
+    try:
+        if f.now_logtime is not None:
+            return f.now_logtime
+        created = f.bundle.manifest.created
+        return unix_to_logtime(created) if created else None
+    except (ValueError, OverflowError, OSError):  # a hostile bundle's year 10000
+        return None
+
+
+def startup_state(f: Facts) -> StartupState:
+    lines = phase_lines(tuple(f.bundle.log_lines))
+    last = lines[-1] if lines else None
+    serving = last is not None and last.phase == SERVING
+    now = _now_logtime(f)
+    last_t = last_progress_t(tuple(f.bundle.log_lines))
+    quiet = now - last_t if now is not None and last_t is not None and now >= last_t else None
+    api = f.api_server
+    age = None
+    if api is not None and api.started is not None and f.samples:
+        age = max(0.0, f.samples[-1].t - api.started)
+    sp = stack_phase(f)
+    phase = sp.phase if sp is not None else last.phase if last is not None else UNKNOWN_PHASE
+    if sp is not None and sp.phase in (WAIT_ENGINE, WAIT_WORKERS) and last is not None and last.phase != SERVING:
+        phase = last.phase  # the waiter names no phase; the log says what the engine was doing
+    return StartupState(phase, last, quiet, age, sp, serving)
+
+
+def _deadline(f: Facts, s: StartupState) -> float:
+    """STARTUP_QUIET_S for a parked engine in a phase that burns CPU; STARTUP_DEADLINE_S otherwise."""
+    return STARTUP_QUIET_S if f.engine_parked and not s.slow_phase else STARTUP_DEADLINE_S
+
+
+# ------------------------------------------------------------------ live
+
+
+def live_startup_hang(f: Facts) -> bool:
+    """The API server lives but never listened nor answered /metrics, no shutdown began, and it
+    has been in one start-up phase past the deadline (STARTUP_QUIET_S with the engine parked,
+    STARTUP_DEADLINE_S otherwise). vLLM 0.32 waits with no deadline for the engine core's READY
+    (wait_for_engine_startup polls forever, logging only at DEBUG) and the EngineCore waits for
+    its workers (WorkerProc.wait_for_ready: multiprocessing.connection.wait, no timeout); the
+    collective_rpc of profiling and warm-up has none either. Unreadable sockets (no
+    CAP_SYS_PTRACE) leave "never listened" unknown: no verdict."""
+    api = f.api_server
+    if not f.is_live or api is None or f.scrapes or api.connections is None or not f.api_never_listened:
+        return False
+    if f.shutdown_began is not None or f.api_shutdown_frames:
+        return False
+    s = startup_state(f)
+    if s.serving and s.stack is None:
+        return False
+    stuck = s.stuck_s
+    return stuck is not None and stuck >= _deadline(f, s) and (s.age_s is None or s.age_s >= _deadline(f, s))
+
+
+def _process_line(p: ProcessSample, f: Facts) -> str:
+    cores = f.cpu_by_pid(p.role).get(p.pid)
+    age = f" up {fmt_duration(f.samples[-1].t - p.started)}" if p.started is not None else ""
+    return f"{p.role.value} pid {p.pid}{age}, state {p.state}" + (f", {cores:.2f} cores" if cores is not None else "")
+
+
+def _startup_verdict(f: Facts, live: bool) -> Verdict:
+    s = startup_state(f)
+    stuck = s.stuck_s or 0.0
+    ev: list[Evidence] = []
+    api = f.api_server
+    if live and api is not None:
+        ev.append(Evidence("proc", f"API server pid {api.pid} alive, never listening, /metrics never answered"
+                           + (f"; up {fmt_duration(s.age_s)}" if s.age_s is not None else ""),
+                           values={"pid": api.pid, "age_s": None if s.age_s is None else round(s.age_s, 1)}))
+        ev += [Evidence("proc", _process_line(p, f), values={"pid": p.pid, "role": p.role.value})
+               for p in f.last_processes if p.role in (Role.ENGINE_CORE, Role.WORKER)]
+        if f.engine_cores is not None:
+            ev.append(Evidence("proc", f"engine used {f.engine_cores:.2f} cores over the window"
+                               + (" (parked: not loading, compiling or capturing)" if f.engine_parked else ""),
+                               values={"cores": round(f.engine_cores, 3), "parked_below": PARKED_CORES}))
+    if s.last_line is not None:
+        ev.append(Evidence("log", f"last start-up line: {message(s.last_line.text)[:120]}",
+                           t=log_stamp(s.last_line.t), values={"line": s.last_line.lineno, "phase_after": s.last_line.phase}))
+    if s.quiet_s is not None:
+        ev.append(Evidence("log", f"no start-up progress in the log for {fmt_duration(s.quiet_s)}", values={"quiet_s": round(s.quiet_s, 1)}))
+    if f.shm_warnings:
+        ev.append(Evidence("log", f"vLLM's own 'No available shared memory broadcast block found' x{len(f.shm_warnings)}: "
+                           "the EngineCore waits on a worker that does not answer",
+                           t=log_stamp(f.shm_warnings[-1].t), values={"count": len(f.shm_warnings)}))
+    if s.stack is not None:
+        name = s.stack.role.value
+        ev.append(Evidence("stack", f"{name} pid {s.stack.pid} in {s.stack.phase}: {s.stack.frame}",
+                           values={"pid": s.stack.pid, "phase": s.stack.phase}))
+    deadline = _deadline(f, s) if live else (STARTUP_DEADLINE_S if s.slow_phase else STARTUP_QUIET_S)
+    if not live:
+        confidence = C.STARTUP_LOG
+    elif stuck >= STARTUP_DEADLINE_S and not f.engine_parked:
+        confidence = C.STARTUP_PAST_DEADLINE
+    else:
+        confidence = C.STARTUP_PARKED_CORROBORATED if s.stack is not None and s.last_line is not None else C.STARTUP_PARKED
+    pids = " ".join(str(p.pid) for p in f.last_processes)
+    advice = [
+        f"It will not finish by itself: vLLM waits for this with no deadline. Stop the whole tree ({pids or 'the API server and its engine processes'}), "
+        "not only the API server, or its engine processes live on as orphans holding memory and the device.",
+        _PHASE_ADVICE.get(s.phase, "Capture native stacks (`wedgectl diagnose --pid PID --native`): the innermost frame names what it waits on."),
+        "Bound start-up: the patched engine fails it with a clear error after WEDGE_ENGINE_STARTUP_S; "
+        "in Kubernetes a startupProbe on /health does the same from outside.",
+    ]
+    return Verdict(
+        VerdictKind.STARTUP_HANG, confidence,
+        f"Start-up stuck in {s.phase} for {fmt_duration(stuck)}: the server never became healthy.",
+        "live_startup_hang" if live else "log_startup_hang", tuple(ev), tuple(advice),
+        {"phase": s.phase, "stuck_s": round(stuck, 1), "deadline_s": deadline,
+         "age_s": None if s.age_s is None else round(s.age_s, 1),
+         "quiet_s": None if s.quiet_s is None else round(s.quiet_s, 1)},
+    )
+
+
+_PHASE_ADVICE = {
+    WEIGHT_LOADING: "Weight loading: check the checkpoint's storage (a hung network mount shows the Worker in state D); "
+                    "copy the weights to local disk.",
+    TORCH_COMPILE: "torch.compile: try --enforce-eager (or -cc.mode=none) to confirm, then check VLLM_CACHE_ROOT's compile cache.",
+    WARM_UP: "Graph capture / warm-up: retry with --enforce-eager; with several GPUs set NCCL_DEBUG=INFO, a peer that never "
+             "joins a collective holds every rank here.",
+    KV_PROFILING: "KV cache profiling: another process may hold the device (`wedgectl diagnose` on an orphaned engine); "
+                  "lower --gpu-memory-utilization or set --num-gpu-blocks-override.",
+    DEVICE_INIT: "Device / distributed init: a rank that never joins (wrong MASTER_ADDR, a firewall, a dead peer) holds the others.",
+    ENGINE_INIT: "The engine core never reported ready: read the EngineCore and Worker lines of the log, then their stacks.",
+}
+
+
+def live_startup_verdict(f: Facts) -> Verdict:
+    return _startup_verdict(f, live=True)
+
+
+# ------------------------------------------------------------------ log
+
+
+def log_startup_hang(f: Facts) -> bool:
+    """The log holds start-up lines and then nothing: no 'Starting vLLM server', no request, no stats
+    line, no failure, no shutdown, and it has been quiet past the deadline by the time it was read
+    (STARTUP_QUIET_S, or STARTUP_DEADLINE_S in weight loading or torch compile). A log alone cannot
+    tell a hung start-up from a killed one: the verdict says to check the pid lives. A live capture
+    that saw the processes is the live rule's to decide (they may have listened, or be busy)."""
+    log = f.log
+    if log is None or f.stats or log.access or log.shutdown or (f.is_live and f.saw_processes):
+        return False
+    if any(x.kind != "shm_broadcast_timeout" for x in log.failures):
+        return False
+    s = startup_state(f)
+    if s.last_line is None or s.serving:
+        return False
+    deadline = STARTUP_DEADLINE_S if s.slow_phase else STARTUP_QUIET_S
+    return s.quiet_s is not None and s.quiet_s >= deadline
+
+
+def log_startup_verdict(f: Facts) -> Verdict:
+    v = _startup_verdict(f, live=False)
+    return Verdict(v.verdict, v.confidence, v.summary, v.rule, v.evidence,
+                   ("Check the server's pid still lives, then `wedgectl diagnose --pid PID`: stacks name the phase for sure.",
+                    *v.advice), v.facts)
+
+
+LIVE_STARTUP_RULE = Rule(live_startup_hang, live_startup_verdict)
+LOG_STARTUP_RULE = Rule(log_startup_hang, log_startup_verdict)
+
+__all__ = ["LIVE_STARTUP_RULE", "LOG_STARTUP_RULE", "STARTUP_DEADLINE_S", "STARTUP_QUIET_S", "phase_lines", "startup_state"]
