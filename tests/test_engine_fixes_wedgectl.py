@@ -85,6 +85,27 @@ def test_completions_count_only_what_came_before_the_sigterm():
     assert not by_name(evaluate("starved", failed))["completions"].passed
 
 
+def test_leaked_capacity_needs_every_ghost_reaped_and_the_real_request_served():
+    ghosts = [{"max_tokens": 16000, "error": "ReadTimeout: timed out", "gave_up": True, "elapsed_s": 1.5}] * 3
+    served = ghosts + [{"status": 200, "elapsed_s": 0.8}]
+    ok = Observation(client=served, exit_s=0.4, reaped=3, reaped_after_s=2.1, gave_up=3, answered_before_sigterm=4)
+    checks = by_name(evaluate("leaked_capacity", ok))
+    assert all(c.passed for c in checks.values()), checks
+    assert "3 request(s) reaped of 3" in checks["ghosts reaped"].detail
+    assert not by_name(evaluate("leaked_capacity", dataclasses.replace(ok, reaped=2)))["ghosts reaped"].passed
+    assert not by_name(evaluate("leaked_capacity", dataclasses.replace(ok, reaped=None, reaped_after_s=None)))["ghosts reaped"].passed
+    # the clients that left are owed nothing; the one that stayed is
+    waiting = dataclasses.replace(ok, client=ghosts + [{"max_tokens": 16, "error": "ReadTimeout"}])
+    assert not by_name(evaluate("leaked_capacity", waiting))["every client answered"].passed
+
+
+def test_a_hang_with_no_fix_checks_only_a_bounded_sigterm_and_answers():
+    obs = Observation(client=[{"status": 503, "body": "{}", "elapsed_s": 9.0}], exit_s=0.4)
+    names = [c.name for c in evaluate("admission_wedge", obs, no_fix="no deadline for paused sessions")]
+    assert names == ["exit on SIGTERM", "every client answered"]
+    assert not all(c.passed for c in evaluate("admission_wedge", dataclasses.replace(obs, exit_s=None), no_fix="x"))
+
+
 def test_idle_checks_only_the_exit():
     assert [c.name for c in evaluate("idle", Observation(exit_s=0.3))] == ["exit on SIGTERM", "every client answered"]
 

@@ -41,6 +41,8 @@ ADMISSION_BOUND_S = 5.0  # an unadmittable request's error (measured: ~0.01 s at
 WATCHDOG_SLACK_S = 4.0  # the watchdog polls every <= 1 s; the client and /health poll add the rest
 EXIT_SLACK_S = 0.5  # measurement slack on the SIGTERM -> exit bound
 COMPLETION_BOUND_S = {"starved": 240.0, "progressing": 60.0}
+REAP_BOUND_S = 30.0  # the reaper aborts a request once its generate() ends (measured: within a step)
+REAPED = "wedge_engine:reaped_requests_total"
 STREAM_S = 8.0  # how long the healthy control streams
 IDLE_S = 2.0
 # The start-up deadline a patched startup-hang repro runs with: above a healthy start of the tiny
@@ -81,6 +83,9 @@ class Observation:
     startup_error_logged: bool = False  # the log says why (STARTUP_FAILED_LINE)
     left_running: list[int] = field(default_factory=list)  # tree pids alive at the end of the bound
     orphans_exit_s: float | None = None  # SIGKILL of the API server -> every other process gone
+    reaped: float | None = None  # wedge_engine:reaped_requests_total once the clients that leave are gone
+    reaped_after_s: float | None = None  # since the workload started
+    gave_up: int = 0  # clients that leave by design (disconnect_after_s)
 
 
 @dataclass
@@ -115,7 +120,8 @@ class PatchedResult:
 
 
 def _requests(obs: Observation) -> list[dict[str, Any]]:
-    return [r for r in obs.client if not r.get("stalled_upload")]
+    """The requests owed an answer: not a half-sent upload, not a client that left by design."""
+    return [r for r in obs.client if not r.get("stalled_upload") and not r.get("gave_up")]
 
 
 def states_capacity(body: str) -> bool:
@@ -161,7 +167,7 @@ def check_shutdown_errors(obs: Observation) -> Check:
 def check_completions(obs: Observation, bound_s: float, name: str = "completions") -> Check:
     """Every request answered before the SIGTERM completed (those the SIGTERM met get 503 by design)."""
     before = obs.client if obs.answered_before_sigterm is None else obs.client[: obs.answered_before_sigterm]
-    reqs = [r for r in before if not r.get("stalled_upload")]
+    reqs = [r for r in before if not r.get("stalled_upload") and not r.get("gave_up")]
     if not reqs:
         return Check(name, False, "no request finished")
     bad = [r for r in reqs if r.get("status") != 200 or r.get("elapsed_s", 1e9) > bound_s]
@@ -215,8 +221,18 @@ def check_orphans_exit(obs: Observation) -> Check:
                  f"after the API server was SIGKILLed (bound {ORPHAN_BOUND_S:g} s)", obs.orphans_exit_s)
 
 
-def evaluate(expected: str, obs: Observation) -> list[Check]:
-    """The no-hang checks for a config reproducing `expected` (a VerdictKind value)."""
+def check_reaped(obs: Observation) -> Check:
+    ok = obs.reaped is not None and obs.reaped >= obs.gave_up and obs.reaped_after_s is not None
+    detail = (f"{obs.reaped:.0f} request(s) reaped of {obs.gave_up} whose client left, after {obs.reaped_after_s} s"
+              if ok else f"reaped {obs.reaped} of {obs.gave_up} within {REAP_BOUND_S:g} s")
+    return Check("ghosts reaped", ok, detail, obs.reaped_after_s)
+
+
+def evaluate(expected: str, obs: Observation, no_fix: str | None = None) -> list[Check]:
+    """The no-hang checks for a config reproducing `expected` (a VerdictKind value). `no_fix`: the
+    patched engine has no fix for this hang; only a bounded SIGTERM and answered clients are checked."""
+    if no_fix:
+        return [check_exit(obs), check_all_answered(obs)]
     if expected == "startup_hang":
         return [check_startup_failed(obs)]
     if expected == "orphaned_engine":
@@ -232,6 +248,9 @@ def evaluate(expected: str, obs: Observation) -> list[Check]:
         checks.append(check_shutdown_errors(obs))
         if any(r.get("stalled_upload") for r in obs.client):
             checks.append(check_upload_closed(obs))
+    elif expected == "leaked_capacity":
+        checks.append(check_reaped(obs))
+        checks.append(check_completions(obs, COMPLETION_BOUND_S["progressing"]))
     elif expected in COMPLETION_BOUND_S:
         checks.append(check_completions(obs, COMPLETION_BOUND_S[expected]))
     checks.append(check_exit(obs))
@@ -313,7 +332,10 @@ def run_patched(
 def _patched_result(cfg: ReproConfig, server: Server, log_path: Path, obs: Observation, workload: Workload,
                     out_dir: Path, notes: list[str]) -> PatchedResult:
     obs.client = list(workload.results)
-    checks = evaluate(cfg.expected, obs)
+    obs.gave_up = sum(s.count for s in cfg.requests if s.disconnect_after_s > 0)
+    checks = evaluate(cfg.expected, obs, cfg.patched_no_fix)
+    if cfg.patched_no_fix:
+        notes.append(f"no fix in the patched engine for this hang: {cfg.patched_no_fix}")
     (out_dir / "client.json").write_text(json.dumps(obs.client, indent=2))
     result = PatchedResult(cfg, checks, obs, server.pid, server.url, log_path, notes)
     (out_dir / "patched.json").write_text(json.dumps(result.to_json(), indent=2))
@@ -363,6 +385,8 @@ def _drive(cfg: ReproConfig, server: Server, workload: Workload, obs: Observatio
         bound = COMPLETION_BOUND_S[expected] + 5
     elif expected == "shutdown_hang":
         bound = cfg.timeout_s
+    elif expected == "leaked_capacity":
+        bound = REAP_BOUND_S + COMPLETION_BOUND_S["progressing"]
     else:
         bound = IDLE_S
     start = time.monotonic()
@@ -383,6 +407,20 @@ def _drive(cfg: ReproConfig, server: Server, workload: Workload, obs: Observatio
                     return
             elif expected == "engine_deadlock":
                 if done >= n_requests and obs.health_503_after_s is not None:
+                    return
+            elif expected == "leaked_capacity" and snap is not None:
+                # Reaped, the ghosts free their slots long before the counter a late request
+                # waits for: once they are gone, send it now; it must then complete.
+                gone = sum(s.count for s in cfg.requests if s.disconnect_after_s > 0)
+                reaped = snap.value(REAPED)
+                if obs.reaped_after_s is None and reaped is not None and reaped >= gone:
+                    obs.reaped, obs.reaped_after_s = reaped, round(time.monotonic() - start, 2)
+                    workload.start_later(float("inf"))
+                if obs.reaped_after_s is not None and done >= n_requests:
+                    return
+                if obs.reaped_after_s is None and time.monotonic() - start > REAP_BOUND_S:
+                    obs.reaped = reaped
+                    notes.append(f"the ghosts were not reaped within {REAP_BOUND_S:g} s")
                     return
             elif expected not in ("progressing", "idle") and n_requests and done >= n_requests:
                 return

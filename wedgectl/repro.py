@@ -101,6 +101,9 @@ class ReproConfig:
     # leaves its own sockets out of a server's client-connection count, so in-process clients would
     # read as requests with no client behind them (leaked_capacity).
     separate_clients: bool = True
+    # `repro --patched`: why the patched engine has no fix for this hang (its run then checks only
+    # that SIGTERM still ends the server and every client is answered); None: it has one.
+    patched_no_fix: str | None = None
     health_timeout_s: float = 180.0  # compiled mode (torch.compile warm-up) on a loaded host needs more
 
     @property
@@ -132,6 +135,7 @@ def load_config(path: Path) -> ReproConfig:
             path=path,
             separate_clients=bool(workload.get("separate_process", True)),
             health_timeout_s=float(server.get("health_timeout_s", 180)),
+            patched_no_fix=data.get("patched", {}).get("no_fix"),
         )
     except (KeyError, TypeError, ValueError, tomllib.TOMLDecodeError) as exc:
         raise ReproError(f"{path}: bad repro config: {exc}") from None
@@ -190,6 +194,7 @@ class Workload:
         except (httpx.HTTPError, ValueError, RuntimeError) as exc:
             result["error"] = f"{type(exc).__name__}: {exc}"[:200]
         if give_up_s:
+            result["gave_up"] = True  # a client that leaves by design: no answer is owed to it
             client.close()  # the client is gone: its connection closes, vLLM sees the disconnect
         result["elapsed_s"] = round(time.monotonic() - t0, 3)
         with self._lock:
