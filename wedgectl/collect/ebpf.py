@@ -333,11 +333,16 @@ class ProbeRun:
         clean = True
         proc = self._proc
         if proc is not None and proc.poll() is None:
-            with contextlib.suppress(OSError):
-                signal_child(proc, signal.SIGINT)
-            try:
-                proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
+            # SIGINT again each second: one that lands between bpftrace's check of its exit flag
+            # and its epoll_wait is lost (seen on a loaded host: bpftrace sat in epoll_wait for
+            # the whole grace); the next one interrupts the wait.
+            deadline = time.monotonic() + grace
+            while proc.poll() is None and time.monotonic() < deadline:
+                with contextlib.suppress(OSError):
+                    signal_child(proc, signal.SIGINT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            if proc.poll() is None:
                 clean = False
                 with contextlib.suppress(OSError):
                     signal_child(proc, signal.SIGKILL)
