@@ -168,8 +168,11 @@ def test_interrupt_during_health_wait_leaves_nothing(fake_python: Path, tmp_path
     def interrupt_soon() -> None:
         time.sleep(1.0)
         for proc in psutil.Process().children():
-            if "fake-python" in " ".join(proc.cmdline()):
-                seen.extend([proc.pid, *(c.pid for c in proc.children(recursive=True))])
+            try:  # another test's child may be a zombie or gone by now: not ours to judge
+                if "fake-python" in " ".join(proc.cmdline()):
+                    seen.extend([proc.pid, *(c.pid for c in proc.children(recursive=True))])
+            except psutil.Error:
+                continue
         signal.raise_signal(signal.SIGINT)
 
     threading.Thread(target=interrupt_soon, daemon=True).start()

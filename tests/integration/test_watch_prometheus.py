@@ -216,7 +216,9 @@ def test_watch_exports_a_wedge_to_prometheus_and_fails_livez(vllm_server, kept_w
                 h.terminate()
             ended = wait_for("the episode ended",
                              lambda: (e := targets()[wedge]["episodes"][0])["end"] and e, 60)
-            assert ended["bundle"] == str(saved) and ended["duration_s"] >= GRACE_S
+            # start and end are the times of the samples that saw them (a sample's clock starts
+            # before its scrape answers), so the duration may fall short of the grace by one interval
+            assert ended["bundle"] == str(saved) and ended["duration_s"] >= GRACE_S - 1.0
             assert targets()[wedge]["verdict"] in ("idle", "progressing")
             assert c.get(f"{base}/livez").status_code == 200
     finally:
