@@ -39,6 +39,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from wedge_engine._env import int_at_least
 from wedge_engine.faults._patch import MethodPatch, ParkAfter, is_fault
 
 AFTER_STEPS_ENV = "WEDGE_ENGINE_FAULT_AFTER_STEPS"
@@ -55,16 +56,7 @@ def after_steps_from(environ: Mapping[str, str]) -> int:
     """N from WEDGE_ENGINE_FAULT_AFTER_STEPS (default 3); FaultConfigError unless an integer >= 0."""
     from wedge_engine.faults import FaultConfigError
 
-    raw = environ.get(AFTER_STEPS_ENV, "").strip()
-    if not raw:
-        return DEFAULT_AFTER_STEPS
-    try:
-        n = int(raw)
-    except ValueError:
-        raise FaultConfigError(f"{AFTER_STEPS_ENV}={raw!r} is not an integer") from None
-    if n < 0:
-        raise FaultConfigError(f"{AFTER_STEPS_ENV}={raw!r} must be >= 0")
-    return n
+    return int_at_least(environ, AFTER_STEPS_ENV, DEFAULT_AFTER_STEPS, 0, FaultConfigError)
 
 
 def _worker_wrapper_class():
