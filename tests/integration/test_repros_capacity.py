@@ -30,9 +30,10 @@ def test_leaked_capacity(vllm_python, tmp_path):
     assert (out["verdict"], out["expected"], rc) == ("leaked_capacity", "leaked_capacity", 0), evidence_text(out)
     facts = out["facts"]
     assert facts["running"] == 3 and facts["waiting"] == 1  # three ghosts hold every slot; one real client waits
-    # The real client and the clients' own /metrics poller (keep-alive) are connected; wedgectl is not counted.
-    assert facts["client_connections"] == 2
-    assert facts["leaked"] == 2
+    # The real client is connected, and the clients' own /metrics poller too while its keep-alive
+    # connection is open (uvicorn closes an idle one after 5 s); wedgectl's own sockets are never counted.
+    assert facts["client_connections"] in (1, 2)
+    assert facts["leaked"] == 4 - facts["client_connections"]
     assert facts["tokens_per_s"] > 0  # the engine generates for nobody
     b = read_bundle(out["bundle"])
     assert sum("fault lost-abort: client gone" in line for line in b.log_lines) == 3
