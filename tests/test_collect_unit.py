@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from wedgectl.collect import procfs, pyspy, scrape
-from wedgectl.collect.processes import classify_role, format_address, parse_proc_net_tcp
+from wedgectl.collect.processes import classify_role
+from wedgectl.collect.sockets import format_address, parse_proc_net_tcp
 from wedgectl.types import FailureKind, FutexWaiters, Role, StackDump, ThreadSample
 
 # --- recorded /proc text (x86_64, kernel 6.18) --------------------------------
@@ -188,8 +189,8 @@ def test_read_threads_permission_on_syscall(tmp_path: Path, monkeypatch: pytest.
     _fake_proc(tmp_path, 4138, {4138: full, 4139: full})
     real = procfs._read_text
 
-    def deny_syscall(path: Path) -> str:
-        if path.name == "syscall":
+    def deny_syscall(path: Path | str) -> str:
+        if Path(path).name == "syscall":
             raise PermissionError(13, "Permission denied", str(path))
         return real(path)
 

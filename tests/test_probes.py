@@ -214,6 +214,57 @@ def test_sched_clock_offsets_are_small_and_positive() -> None:
     assert offsets and all(-0.01 < v < 3600 for v in offsets.values())
 
 
+class _FixedClock(procfs.SchedClock):
+    """A scheduler clock whose per-CPU offset is given: the offsets of the recorded host."""
+
+    def __init__(self, offsets: dict[int, float]) -> None:
+        super().__init__()
+        self.offsets = offsets
+
+    def offset(self, cpu: int) -> float | None:
+        return self.offsets.get(cpu)
+
+
+def test_main_thread_quiet_on_a_recorded_tree(tmp_path: Path, monkeypatch) -> None:
+    d = tmp_path / "4138"
+    d.mkdir()
+    (d / "stat").write_text(STAT)  # state S, last ran on CPU 1
+    (d / "sched").write_text(SCHED)  # exec_start 2022.667 s on CPU 1's clock
+    monkeypatch.setattr(procfs.time, "monotonic", lambda: 2040.0)
+    assert procfs.main_thread_quiet_s(4138, tmp_path, _FixedClock({1: 5.0})) == pytest.approx(2040.0 - 2027.667010839)
+    assert procfs.main_thread_quiet_s(4138, tmp_path, _FixedClock({0: 5.0})) is None  # CPU 1 out of reach
+    (d / "stat").write_text(STAT.replace(") S ", ") R ", 1))
+    assert procfs.main_thread_quiet_s(4138, tmp_path, _FixedClock({1: 5.0})) == 0.0  # running or runnable
+    (d / "stat").write_text(STAT)
+    (d / "sched").write_text(SCHED.replace("2022667.010839", "0.000000"))  # zeroed by a migration
+    assert procfs.main_thread_quiet_s(4138, tmp_path, _FixedClock({1: 5.0})) is None
+    assert procfs.main_thread_quiet_s(999, tmp_path, _FixedClock({1: 5.0})) is None  # gone
+
+
+def test_main_thread_quiet_of_real_processes() -> None:
+    """A child asleep for a second and a half has had no CPU that long; a spinning one has had it throughout."""
+    if procfs.parse_exec_start(Path("/proc/self/sched").read_text() if Path("/proc/self/sched").exists() else "") is None:
+        pytest.skip("no /proc/PID/sched on this kernel")
+    import time
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
+                               stdout=subprocess.PIPE, text=True)
+    spinner = subprocess.Popen([sys.executable, "-c", "print('ready', flush=True)\nwhile True: pass"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert sleeper.stdout.readline().strip() == "ready" and spinner.stdout.readline().strip() == "ready"
+        asleep_at = time.monotonic()
+        time.sleep(1.5)
+        quiet = procfs.main_thread_quiet_s(sleeper.pid)
+        assert quiet is not None and 1.4 <= quiet <= time.monotonic() - asleep_at + 0.5, quiet
+        busy = procfs.main_thread_quiet_s(spinner.pid)
+        assert busy is not None and busy < 0.5, busy  # runs or waits for a CPU; never off one for long
+    finally:
+        for p in (sleeper, spinner):
+            p.kill()
+            p.wait()
+
+
 # --- combining maps and /proc ------------------------------------------------------
 
 

@@ -19,7 +19,7 @@ from wedgectl.classify import classify
 from wedgectl.classify.corroboration import starved_for_capacity, wedge_refused_for_capacity
 from wedgectl.classify.facts import MIN_FROZEN_S, Facts
 from wedgectl.metrics import parse_metrics
-from wedgectl.sampler import CERTAIN, ESCALATE_BURST, SamplerOptions, next_step
+from wedgectl.sampler import CERTAIN, ESCALATE_BURST, SamplerOptions, hang_shaped, next_step
 from wedgectl.types import Bundle, Role, VerdictKind
 
 BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
@@ -37,7 +37,7 @@ def replay(b: Bundle, options: SamplerOptions = SamplerOptions(ebpf="auto")) -> 
         prefix = replace(b, samples=b.samples[:k])
         v = classify(prefix)
         elapsed = b.samples[k - 1].t - b.samples[0].t
-        step = next_step(v, k, elapsed, options, burst_taken, probes)
+        step = next_step(v, k, elapsed, options, burst_taken, probes, k == 1 and hang_shaped(Facts(prefix)))
         out.append((k, v.verdict, v.confidence, step))
         burst_taken = burst_taken or step.burst > 1
         probes = probes or step.probes
@@ -63,10 +63,34 @@ def test_one_sample_never_decides():
     assert not step.stop and step.burst == 0
 
 
+def test_a_hang_shaped_first_sample_buys_the_burst_for_the_second():
+    b = load("admission-wedge")  # 1 waiting, 0 running: a wedge's gauges
+    first = replace(b, samples=b.samples[:1])
+    assert hang_shaped(Facts(first))
+    step = next_step(classify(first), 1, 0.0, SamplerOptions(), False, False, suspect=True)
+    assert not step.stop and step.burst == ESCALATE_BURST
+    assert next_step(classify(first), 1, 0.0, SamplerOptions(stacks=False), False, False, suspect=True).burst == 0
+    # A deadlock's first sample is hang-shaped only with the kernel's record of a stepless engine.
+    d = load("engine-deadlock")
+    assert not hang_shaped(Facts(replace(d, samples=d.samples[:1])))
+    assert hang_shaped(Facts(replace(d, samples=(with_quiet(d.samples[0], 1.5),))))
+    # A healthy server's first sample is not: it pays for no burst.
+    h = load("healthy")
+    assert not hang_shaped(Facts(replace(h, samples=h.samples[:1])))
+    assert not hang_shaped(Facts(replace(h, samples=(with_quiet(h.samples[0], 0.0),))))
+
+
+def with_quiet(sample, quiet_s: float, roles=(Role.ENGINE_CORE, Role.WORKER)):
+    """A recorded sample whose engine processes' main threads had gone quiet_s without a CPU."""
+    return replace(sample, processes=tuple(replace(p, main_quiet_s=quiet_s if p.role in roles else None)
+                                            for p in sample.processes))
+
+
 @pytest.mark.parametrize("name", ["admission-wedge", "engine-deadlock"])
 def test_a_hang_is_not_certain_on_a_short_window(name):
-    """Counters frozen for less than MIN_FROZEN_S: a slow step looks the same. Not certain, so the
-    capture samples on, and the first uncertain verdict buys a burst of the engine's stacks."""
+    """Counters frozen for less than MIN_FROZEN_S, with no burst and no record of how long the engine
+    has been still: a slow step looks the same. Not certain, so the capture samples on, and the
+    first uncertain verdict buys a burst of the engine's stacks."""
     b = load(name)
     short = replace(b, samples=b.samples[:2])
     assert Facts(short).gen_tokens.span_s < MIN_FROZEN_S
@@ -91,6 +115,70 @@ def test_wedge_is_certain_once_the_burst_agrees():
     no_burst = replace(window, samples=(*window.samples[:2], replace(window.samples[2], stacks=())))
     assert not wedge_refused_for_capacity(Facts(no_burst))
     assert classify(no_burst).confidence < CERTAIN
+
+
+def test_wedge_refused_for_capacity_is_certain_on_two_scrapes_with_the_burst():
+    """Two scrapes a second apart, each refusing the request for capacity with nothing running and
+    the KV pool empty, the counter still, the engine spinning and the Workers' burst outside the
+    model: no healthy server reads so even once a second, so the wedge is certain at the second sample."""
+    b = load("admission-wedge")
+    window = replace(b, samples=(b.samples[0], replace(b.samples[1], stacks=b.samples[-1].stacks)))
+    f = Facts(window)
+    assert f.gen_tokens.span_s < MIN_FROZEN_S and not f.tokens_frozen
+    assert wedge_refused_for_capacity(f)
+    v = classify(window)
+    assert (v.verdict, v.confidence) == (VerdictKind.ADMISSION_WEDGE, CERTAIN)
+    assert next_step(v, 2, f.window_s, SamplerOptions(), True, False).stop
+    # One request running in either scrape (a step in progress): not the wedge's reading.
+    running = replace(b.samples[1].metrics, text=b.samples[1].metrics.text.replace(
+        "vllm:num_requests_running{", "vllm:num_requests_running_was{", 1) + _running_line(b, 1))
+    other = replace(window, samples=(window.samples[0], replace(window.samples[1], metrics=running)))
+    assert not wedge_refused_for_capacity(Facts(other))
+
+
+def _running_line(b: Bundle, value: int) -> str:
+    line = next(x for x in b.samples[1].metrics.text.splitlines() if x.startswith("vllm:num_requests_running{"))
+    return "\n" + line.rsplit(" ", 1)[0] + f" {value}.0\n"
+
+
+def test_the_deferred_wedge_still_needs_min_frozen_s():
+    """Sessions deferred for their client's next input may pause a second by design: with any deferred
+    the capacity-refused reading must hold MIN_FROZEN_S, as before."""
+    b = load("deferred-wedge")
+    f = Facts(replace(b, samples=b.samples[:2]))
+    assert f.gen_tokens.span_s >= MIN_FROZEN_S and wedge_refused_for_capacity(f)
+    squeezed = replace(b, samples=(b.samples[0], replace(b.samples[1], t=b.samples[0].t + 1.0,
+                                                         metrics=replace(b.samples[1].metrics, t=b.samples[0].metrics.t + 1.0))))
+    assert not wedge_refused_for_capacity(Facts(squeezed))
+
+
+def test_a_stepless_engine_extends_the_frozen_window_back():
+    """The kernel's record of the engine's main threads (ProcessSample.main_quiet_s): no step for q
+    seconds means no token for q seconds, so two frozen scrapes a second apart are frozen for q."""
+    b = load("engine-deadlock")
+    two = (b.samples[0], b.samples[1])
+    assert not Facts(replace(b, samples=two)).tokens_frozen
+    quiet = replace(b, samples=(with_quiet(two[0], 11.0), with_quiet(two[1], 12.0)))
+    f = Facts(quiet)
+    assert f.stepless_s == 12.0 and f.tokens_frozen and f.tokens_frozen_s == 12.0
+    v = classify(quiet)
+    assert (v.verdict, v.confidence) == (VerdictKind.ENGINE_DEADLOCK, 0.95)  # past CERTAIN_FROZEN_S
+    assert v.facts["frozen_s"] == 12.0
+    assert any(e.what.startswith("no engine step for 12 s: the main thread of EngineCore pid") for e in v.evidence)
+    # Two seconds of record: frozen, not yet certain without the burst.
+    v2 = classify(replace(b, samples=(with_quiet(two[0], 1.0), with_quiet(two[1], 2.0))))
+    assert v2.verdict is VerdictKind.ENGINE_DEADLOCK and v2.confidence < CERTAIN
+    # One stepping thread that ran (the EngineCore) does not undo a Worker's quiet: a step needs both.
+    mixed = replace(b, samples=(two[0], with_quiet(with_quiet(two[1], 12.0, (Role.WORKER,)), 12.0, (Role.WORKER,))))
+    assert Facts(mixed).stepless_s == 12.0
+
+
+def test_the_stepless_record_is_not_read_while_tokens_move():
+    b = load("healthy")
+    moving = replace(b, samples=(with_quiet(b.samples[0], 30.0), with_quiet(b.samples[1], 31.0)))
+    f = Facts(moving)
+    assert f.tokens_advance and not f.tokens_frozen and f.tokens_frozen_s == 0.0
+    assert classify(moving).verdict is VerdictKind.PROGRESSING
 
 
 def test_a_slow_step_is_not_a_certain_wedge_or_deadlock():
@@ -181,6 +269,9 @@ ESCALATED = {
     "healthy-loaded": (VerdictKind.PROGRESSING, 2, False),  # 8 streams saturating the host
     "admission-wedge-escalated": (VerdictKind.ADMISSION_WEDGE, 3, True),
     "engine-deadlock-escalated": (VerdictKind.ENGINE_DEADLOCK, 3, True),
+    # Recorded with the hang-shaped first sample buying the burst for the second: certain at 1 s.
+    "engine-deadlock-stepless": (VerdictKind.ENGINE_DEADLOCK, 2, True),  # the Worker off CPU 3.9 s
+    "admission-wedge-short": (VerdictKind.ADMISSION_WEDGE, 2, True),  # refused for capacity at both scrapes
 }
 
 
@@ -195,8 +286,24 @@ def test_recorded_escalated_capture_stops_where_the_replay_stops(name):
     assert len(steps) == n and steps[-1][3].stop and steps[-1][3].why == "verdict certain"
     assert any(s.burst > 1 for *_, s in steps) is burst
     assert max(len(s.stacks) for s in b.samples[1:]) > 0 if burst else all(not s.stacks for s in b.samples[1:])
-    if kind is not VerdictKind.PROGRESSING:
+    if kind is not VerdictKind.PROGRESSING and not wedge_refused_for_capacity(Facts(b)):
         assert v.facts["frozen_s"] >= MIN_FROZEN_S  # earned: frozen over the classifier's threshold
+
+
+def test_recorded_stepless_deadlock_reads_the_workers_quiet():
+    b = load("engine-deadlock-stepless")
+    f = Facts(b)
+    assert f.gen_tokens.span_s < MIN_FROZEN_S  # two scrapes about a second apart
+    worker = next(p for p in b.samples[-1].processes if p.role is Role.WORKER)
+    assert f.stepless_s == worker.main_quiet_s and f.stepless_s >= MIN_FROZEN_S  # the stalled Worker
+    first = replace(b, samples=b.samples[:1])
+    assert hang_shaped(Facts(first)) and classify(first).verdict is VerdictKind.INCONCLUSIVE
+    v = classify(b)
+    assert v.facts["frozen_s"] == round(f.stepless_s, 2) and v.facts["worker_model_share"] == 1.0
+    # Without the kernel's record the same two samples are not a deadlock yet.
+    blind = replace(b, samples=tuple(replace(s, processes=tuple(replace(p, main_quiet_s=None) for p in s.processes))
+                                     for s in b.samples))
+    assert classify(blind).verdict is not VerdictKind.ENGINE_DEADLOCK
 
 
 def test_saturated_server_scrapes_answered_and_counters_moved():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from wedgectl.collect import processes, procfs
+from wedgectl.collect import processes, procfs, sockets
 from wedgectl.collect.scrape import metrics_url_for
 from wedgectl.errors import NoSuchProcess, NotVllm
 from wedgectl.redact import redact_argv
@@ -84,7 +84,7 @@ def discover(pid: int | None = None, url: str | None = None) -> Deployment:
     api = next((p for p, r in roles.items() if r == Role.API_SERVER), None)
     listening: tuple[str, ...] = ()
     if api is not None:
-        listening = processes.listening_of(api)
+        listening = sockets.listening_of(api)
     base = normalise_url(url) if url else base_url_from_listening(listening)
     # An orphaned engine (its API server killed) still writes to the server log it inherited.
     log = processes.log_path_of(api if api is not None else tree[0].pid)

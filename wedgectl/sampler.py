@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 
 from wedgectl import __version__
-from wedgectl.classify import classify
+from wedgectl.classify import Facts, classify
 from wedgectl.collect import processes, pyspy
 from wedgectl.collect.scrape import Scraper
 from wedgectl.discover import Deployment, discover, tree_roles
@@ -254,8 +254,24 @@ class Step:
     why: str = ""
 
 
+SUSPECT_STEPLESS_S = 1.0  # one sample whose engine has taken no step this long with work in flight
+
+
+def hang_shaped(f: Facts) -> bool:
+    """Whether the first sample already looks like a hang: requests waiting with none running (a
+    wedge's gauges; a healthy server admits a waiting request within a step), or work in flight
+    while the engine has taken no step for SUSPECT_STEPLESS_S (Facts.stepless_s). Then the stack
+    burst goes with the second sample, where a short window needs it to be certain, instead of
+    the third; a busy healthy server shows neither and pays for no burst."""
+    if f.last_metrics is None:
+        return False
+    if f.running == 0 and f.waiting >= 1:
+        return True
+    return f.running + f.waiting >= 1 and (f.stepless_s or 0.0) >= SUSPECT_STEPLESS_S
+
+
 def next_step(verdict: Verdict, n_samples: int, elapsed_s: float, options: SamplerOptions,
-              burst_taken: bool, probes_started: bool) -> Step:
+              burst_taken: bool, probes_started: bool, suspect: bool = False) -> Step:
     """The escalation, as a pure function of the verdict so far.
 
     Cheapest decisive evidence first: two scrapes a second apart, /proc and one dump per
@@ -265,8 +281,11 @@ def next_step(verdict: Verdict, n_samples: int, elapsed_s: float, options: Sampl
     open after that gets the probes (how long main threads sit parked), with --ebpf auto and
     window left for them to see a wait. The classifier decides certainty; its thresholds
     (MIN_FROZEN_S) keep a slow step, a long prefill or a saturated server from being called
-    stuck on a short window."""
+    stuck on a short window. A first sample that is hang_shaped (`suspect`) buys the burst for the
+    second sample at once."""
     if n_samples < 2:  # one scrape says nothing about movement
+        if suspect and options.stacks:
+            return Step(False, burst=options.stack_burst, why="hang-shaped first sample: stack burst")
         return Step(False)
     certain = verdict.confidence >= CERTAIN
     if certain and elapsed_s >= options.min_window_s:
@@ -384,10 +403,13 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
                 stop = True
                 break
             judged.append(judged_sample(sample))
-            verdict = classify(Bundle(manifest, tuple(judged), decide_log))
-            say(f"sample {len(samples)} at {elapsed:4.1f}s: {_summarise(sample)} -> "
-                f"{verdict.verdict.value} ({verdict.confidence:.2f})")
-            step = next_step(verdict, len(samples), elapsed, options, burst_taken, probes.started)
+            judged_bundle = Bundle(manifest, tuple(judged), decide_log)
+            verdict = classify(judged_bundle)
+            if options.progress:  # the lean copy: classify has just parsed it (parse_metrics caches by text)
+                say(f"sample {len(samples)} at {elapsed:4.1f}s: {_summarise(judged[-1])} -> "
+                    f"{verdict.verdict.value} ({verdict.confidence:.2f})")
+            suspect = len(samples) == 1 and hang_shaped(Facts(judged_bundle))
+            step = next_step(verdict, len(samples), elapsed, options, burst_taken, probes.started, suspect)
             if step.why:
                 say(step.why)
             if step.stop:

@@ -231,7 +231,7 @@ def resolve_interpreter(argv: Sequence[str], env: Mapping[str, str], cwd: str) -
 def host_and_port(argv: Sequence[str], base_url: str | None) -> tuple[str, int]:
     """Where to reach the server: its --host (a wildcard means this host) and the port it listens on
     (from its LISTEN socket when known, else --port, else vLLM's 8000)."""
-    from wedgectl.collect.processes import port_from_cmdline
+    from wedgectl.collect.sockets import port_from_cmdline
 
     host = "127.0.0.1"
     for i, arg in enumerate(argv):

@@ -176,6 +176,9 @@ class ProcessSample:
     threads: tuple[ThreadSample, ...] = ()
     started: float | None = None  # unix create time: how long a start-up or an orphan has lasted
     devices: tuple[str, ...] = ()  # accelerator device nodes it holds open (/dev/nvidia0, /dev/dri/...)
+    # Seconds its main thread had gone without a CPU at this sample (0: running or runnable); read
+    # for the EngineCore and Workers, whose main threads take every step. None: not read.
+    main_quiet_s: float | None = None
 
     @property
     def cpu_s(self) -> float:

@@ -50,7 +50,9 @@ def test_admission_wedge(vllm_python, tmp_path):
     facts = out["facts"]
     assert facts["waiting"] >= 1 and facts["waiting_capacity"] >= 1  # waiting by reason capacity
     assert facts["kv_usage_pct"] == 0  # an empty pool, and still not admitted
-    assert facts["frozen_s"] >= 2  # the generation counter does not move
+    # The generation counter does not move: over two scrapes a second apart, certain with the empty
+    # pool and the Workers outside the model (classify/corroboration.py), or longer.
+    assert facts["frozen_s"] >= 0.8
     assert facts["engine_cores"] >= 0.5  # the engine spins
     # No model execution: the Workers sit in their busy loop's dequeue, not in execute_model.
     assert facts["worker_model_share"] is not None and facts["worker_model_share"] < 0.5

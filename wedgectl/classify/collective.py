@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from wedgectl import stacks as stk
-from wedgectl.classify.evidence import counter_evidence, fmt_duration, log_stamp, message, metrics_evidence, present
+from wedgectl.classify.evidence import counter_evidence, fmt_duration, log_stamp, message, metrics_evidence, present, stepless_evidence
 from wedgectl.classify.facts import PARKED_CORES, SPINNING_CORES, Facts
 from wedgectl.classify.rule import Rule
 from wedgectl.types import Bundle, Evidence, ProcessSample, Role, StackDump, Verdict, VerdictKind
@@ -249,14 +249,13 @@ def _collective_verdict(f: Facts) -> Verdict:
     views = rank_views(f)
     inside, before = _split(views)
     lagging = _lagging(views)
-    g = f.gen_tokens
-    waited = max(g.frozen_s, f.heartbeat_steps.frozen_s)
+    waited = max(f.tokens_frozen_s, f.heartbeat_steps.frozen_s)
     collective = inside[0].frame if inside else ""
     named = any(not v.inferred for v in inside)
     signature = device_signature(views)
     lag_ranks = [v.rank if v.rank is not None else v.pid for v in lagging]
     ev: list[Evidence] = [metrics_evidence(f, f"{f.running:.0f} running, {f.waiting:.0f} waiting, all gauges frozen"),
-                          counter_evidence(f)]
+                          counter_evidence(f), *present(stepless_evidence(f))]
     for v in views:
         role = "waits in the collective" if v in inside else "lags before it" if v in lagging else "in the step"
         ev.append(Evidence("stack", f"rank {v.label} (pid {v.pid}, {v.device}) {role}: {v.kind} at {v.frame or '?'}; "

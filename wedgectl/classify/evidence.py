@@ -100,6 +100,19 @@ def counter_evidence(f: Facts) -> Evidence:
     )
 
 
+def stepless_evidence(f: Facts) -> Evidence | None:
+    """The kernel's record that extends a frozen counter back before the first scrape (Facts.stepless_s)."""
+    g, q = f.gen_tokens, f.stepless_s
+    if g.delta != 0 or not q or f.tokens_frozen_s <= g.frozen_s:
+        return None
+    names = {Role.ENGINE_CORE: "EngineCore", Role.WORKER: "Worker"}
+    who = ", ".join(f"{names.get(p.role, p.role.value)} pid {p.pid} ({fmt_duration(p.main_quiet_s or 0.0)})"
+                    for p in f.stepless_processes)
+    return Evidence("proc", f"no engine step for {fmt_duration(q)}: the main thread of {who} has had no CPU "
+                    "that long (the scheduler's record), so the counter was frozen before the first scrape too",
+                    values={"stepless_s": round(q, 2), "pids": [p.pid for p in f.stepless_processes]})
+
+
 def engine_cpu_evidence(f: Facts) -> Evidence | None:
     cores = f.engine_cores
     if cores is None:

@@ -19,6 +19,7 @@ SPINNING_CORES = 0.5  # engine (EngineCore + Workers) in a wedge: ~1.2 cores her
 PARKED_CORES = 0.2  # a blocked engine sleeps in zmq poll: measured 0.01 cores
 MIN_FROZEN_S = 2.0  # ~2 ms per token here: a live engine moves the counter many times in 2 s
 CERTAIN_FROZEN_S = 10.0  # frozen this long with work in flight is past any sane step time
+SHORT_SPAN_S = 0.8  # two scrapes about a second apart: a window that other evidence may extend or decide
 LOG_SILENCE_S = 25.0  # vLLM logs stats every 10 s at INFO while tokens flow; two missed lines
 STATS_INTERVAL_S = 10.0  # VLLM_LOG_STATS_INTERVAL's default
 
@@ -176,10 +177,20 @@ class Facts:
         return bool(self.scrapes) and g.delta is not None and g.delta > 0
 
     @cached_property
-    def tokens_frozen(self) -> bool:
-        """The generation counter held still for at least MIN_FROZEN_S of scrapes."""
+    def tokens_frozen_s(self) -> float:
+        """How long the generation counter has not moved: its frozen span over the scrapes, or, once
+        it held over two scrapes (SHORT_SPAN_S), as long as the engine has taken no step
+        (stepless_s): a token is counted only when a step produced it, so the kernel's record of
+        the stepping threads reaches back before the first scrape."""
         g = self.gen_tokens
-        return bool(self.scrapes) and g.delta == 0 and g.span_s >= MIN_FROZEN_S
+        if g.delta != 0 or g.span_s < SHORT_SPAN_S:
+            return g.frozen_s
+        return max(g.frozen_s, self.stepless_s or 0.0)
+
+    @cached_property
+    def tokens_frozen(self) -> bool:
+        """The generation counter held still for at least MIN_FROZEN_S (tokens_frozen_s)."""
+        return bool(self.scrapes) and self.gen_tokens.delta == 0 and self.tokens_frozen_s >= MIN_FROZEN_S
 
     @cached_property
     def heartbeat_spinning(self) -> bool:
@@ -233,6 +244,32 @@ class Facts:
         if core is None and workers is None:
             return None
         return (core or 0.0) + (workers or 0.0)
+
+    @cached_property
+    def stepless_s(self) -> float | None:
+        """How long, at the last sample, no engine can have taken a step: a step needs the EngineCore's
+        main thread (it schedules the step and collects its output) and every one of its Workers'
+        (each runs its shard of the model), so one of them off a CPU for q seconds means no step for
+        q seconds. Per EngineCore the longest such quiet; across data-parallel EngineCores, which step
+        on their own, the shortest. None where a main thread's quiet was not read."""
+        procs = self.last_processes
+        per_engine = []
+        for core in (p for p in procs if p.role == Role.ENGINE_CORE):
+            quiet = [p.main_quiet_s for p in procs
+                     if p is core or (p.role == Role.WORKER and p.ppid == core.pid)]
+            known = [q for q in quiet if q is not None]
+            if not known:
+                return None
+            per_engine.append(max(known))
+        return min(per_engine) if per_engine else None
+
+    @cached_property
+    def stepless_processes(self) -> tuple[ProcessSample, ...]:
+        """The engine processes whose main threads' quiet makes stepless_s, longest first."""
+        if not self.stepless_s:
+            return ()
+        procs = [p for p in self.last_processes if p.main_quiet_s is not None and p.main_quiet_s >= self.stepless_s]
+        return tuple(sorted(procs, key=lambda p: -(p.main_quiet_s or 0.0)))
 
     @cached_property
     def engine_spinning(self) -> bool:

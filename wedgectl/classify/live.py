@@ -19,6 +19,7 @@ from wedgectl.classify.evidence import (
     metrics_evidence,
     present,
     profile_evidence,
+    stepless_evidence,
 )
 from wedgectl.classify.corroboration import starved_for_capacity, wedge_refused_for_capacity
 from wedgectl.classify.deferred import DEFERRED, DEFERRED_ADVICE, reason_text, waiting_reason
@@ -128,18 +129,18 @@ def live_admission_wedge(f: Facts) -> bool:
     waiting loop's allocate_slots() returns None and breaks). KV usage ~0 shows it is not pressure
     from other requests: the request cannot fit even in an empty pool. A blocked engine with
     stale gauges (parked, no heartbeat) is left to the deadlock rule."""
-    if f.waiting < 1 or f.running > 0 or not f.tokens_frozen:
+    if f.waiting < 1 or f.running > 0 or not (f.tokens_frozen or wedge_refused_for_capacity(f)):
         return False
     return not (f.engine_parked and not f.heartbeat_spinning)
 
 
 def _admission_wedge_verdict(f: Facts) -> Verdict:
-    m, g = f.last_metrics, f.gen_tokens
+    m = f.last_metrics
     assert m is not None
     spinning = f.engine_spinning or f.heartbeat_spinning
     if not spinning:
         confidence = C.WEDGE_METRICS_ONLY
-    elif f.heartbeat_spinning or g.frozen_s >= CERTAIN_FROZEN_S:
+    elif f.heartbeat_spinning or f.tokens_frozen_s >= CERTAIN_FROZEN_S:
         confidence = C.WEDGE_CERTAIN
     elif wedge_refused_for_capacity(f):
         confidence = C.WEDGE_REFUSED_EMPTY_POOL
@@ -165,9 +166,9 @@ def _admission_wedge_verdict(f: Facts) -> Verdict:
     return Verdict(
         VerdictKind.ADMISSION_WEDGE, confidence,
         f"{f.waiting:.0f} request(s) waiting (reason: {reason}) that the scheduler never admits; nothing runs, "
-        f"tokens frozen {fmt_duration(g.frozen_s)}" + (", engine spinning." if spinning else "."),
+        f"tokens frozen {fmt_duration(f.tokens_frozen_s)}" + (", engine spinning." if spinning else "."),
         "live_admission_wedge", tuple(ev), tuple(advice),
-        {"frozen_s": round(g.frozen_s, 2), "engine_cores": f.engine_cores, "waiting": f.waiting,
+        {"frozen_s": round(f.tokens_frozen_s, 2), "engine_cores": f.engine_cores, "waiting": f.waiting,
          "worker_model_share": f.worker_model_share, "kv_usage_pct": round((m.kv_usage or 0) * 100, 2),
          "waiting_capacity": m.waiting_capacity, "waiting_deferred": m.waiting_deferred, "reason": reason},
     )
@@ -196,7 +197,7 @@ def live_engine_deadlock(f: Facts) -> bool:
 def _deadlock_confidence(f: Facts) -> float:
     if f.engine_parked or f.heartbeat_frozen:
         share = f.worker_model_share
-        certain = (f.gen_tokens.frozen_s >= CERTAIN_FROZEN_S
+        certain = (f.tokens_frozen_s >= CERTAIN_FROZEN_S
                    or (share is not None and share >= C.DEADLOCK_WORKER_SHARE)  # every Worker inside execute_model
                    or f.main_thread_parked)  # a main thread parked the whole window on one futex, never woken
         return C.DEADLOCK_CERTAIN if certain else C.DEADLOCK_PARKED
@@ -206,8 +207,9 @@ def _deadlock_confidence(f: Facts) -> float:
 
 
 def _engine_deadlock_verdict(f: Facts) -> Verdict:
-    running, waiting, g = f.running, f.waiting, f.gen_tokens
+    running, waiting = f.running, f.waiting
     ev = [metrics_evidence(f, f"{running:.0f} running, {waiting:.0f} waiting, all gauges frozen"), counter_evidence(f)]
+    ev += present(stepless_evidence(f))
     ev += present(engine_cpu_evidence(f), heartbeat_evidence(f), engine_stack_evidence(f))
     ev += profile_evidence(f)
     ev += f.probe_evidence
@@ -231,9 +233,9 @@ def _engine_deadlock_verdict(f: Facts) -> Verdict:
     return Verdict(
         VerdictKind.ENGINE_DEADLOCK, _deadlock_confidence(f),
         f"The engine stopped with {running:.0f} running / {waiting:.0f} waiting; counters frozen "
-        f"{fmt_duration(g.frozen_s)}" + (", EngineCore parked." if f.engine_parked else "."),
+        f"{fmt_duration(f.tokens_frozen_s)}" + (", EngineCore parked." if f.engine_parked else "."),
         "live_engine_deadlock", tuple(ev), advice,
-        {"frozen_s": round(g.frozen_s, 2), "engine_cores": f.engine_cores, "running": running, "waiting": waiting,
+        {"frozen_s": round(f.tokens_frozen_s, 2), "engine_cores": f.engine_cores, "running": running, "waiting": waiting,
          "worker_model_share": f.worker_model_share},
     )
 

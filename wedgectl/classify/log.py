@@ -288,6 +288,8 @@ def log_never_asked(f: Facts) -> bool:
     log = f.log
     if log is None or f.stats or log.failures or f.shutdown_began is not None or not startup_state(f).serving:
         return False  # a shutdown that finished ends the quiet; one pending is the shutdown rule's
+    if f.running + f.waiting >= 1:
+        return False  # a live scrape shows requests in flight: uvicorn logs a request when it answers it
     return all(a.path.split("?", 1)[0] in _PROBE_PATHS and a.method in ("GET", "HEAD") for a in log.access)
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -13,6 +13,7 @@ import psutil
 
 from wedgectl.collect import procfs, procread
 from wedgectl.collect._failures import failure_from_oserror, permission_hint
+from wedgectl.collect.sockets import listening_of, own_addresses, sockets_from_procfs, sockets_from_psutil
 from wedgectl.redact import redact_argv
 from wedgectl.types import CollectorFailure, FailureKind, ProcessSample, Role
 
@@ -126,6 +127,11 @@ def name_cmdline(
     if stat is None:
         gone = not failures or failures[0].kind is FailureKind.GONE
         raise (ProcessLookupError if gone else OSError)(failures[0].message if failures else f"pid {pid}: gone")
+    key = (str(proc_root), pid, stat.starttime_ticks, stat.comm)
+    now = time.monotonic()
+    hit = _CMDLINES.get(key)
+    if hit is not None and now - hit[0] < CMDLINE_TTL_S:
+        return hit[1], list(hit[2])
     cmdline = procread.read_cmdline(pid, proc_root, timeout)
     name = stat.comm
     if len(name) >= _COMM_LEN and cmdline:
@@ -133,7 +139,18 @@ def name_cmdline(
         full = os.path.basename(cmdline[0])
         if full.startswith(name):
             name = full
+    if len(_CMDLINES) > 256:
+        _CMDLINES.clear()
+    _CMDLINES[key] = (now, name, tuple(cmdline))
     return name, cmdline
+
+
+# One sample reads each process's cmdline several times (its role, its parent's role, the tree's
+# root, the sample itself), each read a bounded read in a thread of its own. A read is reused for
+# CMDLINE_TTL_S, keyed by start time and comm so a reused pid or a new title reads afresh; shorter
+# than any sampling interval, so each sample sees the title as it is.
+CMDLINE_TTL_S = 0.5
+_CMDLINES: dict[tuple[str, int, int, str], tuple[float, str, tuple[str, ...]]] = {}
 
 
 def _name_cmdline(proc: psutil.Process) -> tuple[str, list[str]]:
@@ -304,118 +321,6 @@ def api_servers_below(pid: int) -> list[int]:
     return [p.pid for p in below if role_of(p) is Role.API_SERVER and launcher_of(p) is None]
 
 
-# ---------------------------------------------------------------------------
-# sockets
-
-
-@dataclass(frozen=True)
-class SocketEntry:
-    """One row of /proc/PID/net/tcp[6]."""
-
-    local: str  # "127.0.0.1:8000" or "[::1]:8000"
-    state: int  # kernel TCP state: 0x0A LISTEN, 0x01 ESTABLISHED
-    inode: int
-
-
-TCP_ESTABLISHED = 0x01
-TCP_LISTEN = 0x0A
-
-
-def format_address(ip: str, port: int) -> str:
-    """'ip:port', with IPv6 addresses in brackets."""
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-
-
-def _hex_ip(hexaddr: str) -> str:
-    raw = bytes.fromhex(hexaddr)
-    # the kernel prints each 32-bit word in host (little-endian) byte order
-    fixed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    addr = ipaddress.ip_address(fixed)
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped:
-        return str(addr.ipv4_mapped)
-    return str(addr)
-
-
-def parse_proc_net_tcp(text: str) -> list[SocketEntry]:
-    """Parse /proc/net/tcp or tcp6 (the header line is skipped)."""
-    entries = []
-    for line in text.splitlines()[1:]:
-        f = line.split()
-        if len(f) < 10:
-            continue
-        ip_hex, port_hex = f[1].rsplit(":", 1)
-        entries.append(SocketEntry(format_address(_hex_ip(ip_hex), int(port_hex, 16)), int(f[3], 16), int(f[9])))
-    return entries
-
-
-def socket_inodes(pid: int, proc_root: Path = procfs.PROC) -> set[int]:
-    """Inodes of the sockets ``pid`` holds open (readlink /proc/PID/fd/* -> 'socket:[N]')."""
-    inodes = set()
-    fd_dir = proc_root / str(pid) / "fd"
-    for fd in os.listdir(fd_dir):
-        try:
-            link = os.readlink(fd_dir / fd)
-        except FileNotFoundError:
-            continue  # closed meanwhile
-        # PermissionError (no CAP_SYS_PTRACE over the target) propagates: "no sockets" would be a lie
-        if link.startswith("socket:["):
-            inodes.add(int(link[8:-1]))
-    return inodes
-
-
-def sockets_from_procfs(pid: int, proc_root: Path = procfs.PROC) -> tuple[tuple[str, ...], int]:
-    """(listening addresses, established count) from /proc/PID/net/tcp* and fd inodes."""
-    mine = socket_inodes(pid, proc_root)
-    listening: set[str] = set()
-    established = 0
-    for name in ("tcp", "tcp6"):
-        try:
-            text = (proc_root / str(pid) / "net" / name).read_text()
-        except FileNotFoundError:
-            continue  # no IPv6
-        for e in parse_proc_net_tcp(text):
-            if e.inode in mine:
-                if e.state == TCP_LISTEN:
-                    listening.add(e.local)
-                elif e.state == TCP_ESTABLISHED:
-                    established += 1
-    return tuple(sorted(listening)), established
-
-
-def listening_of(pid: int, proc_root: Path = procfs.PROC) -> tuple[str, ...]:
-    """The API server's LISTEN addresses: from its own socket fds, or, where those are not
-    readable (no CAP_SYS_PTRACE), the LISTEN sockets of the netns on the port its cmdline names."""
-    try:
-        listening, _ = sockets_from_procfs(pid, proc_root)
-        return listening
-    except OSError:
-        pass
-    try:
-        port = port_from_cmdline(procread.read_cmdline(pid, proc_root))
-    except OSError:
-        return ()
-    found = []
-    for name in ("tcp", "tcp6"):
-        try:
-            text = (proc_root / str(pid) / "net" / name).read_text()
-        except OSError:
-            continue
-        for e in parse_proc_net_tcp(text):
-            if e.state == TCP_LISTEN and e.local.rsplit(":", 1)[-1] == str(port):
-                found.append(e.local)
-    return tuple(sorted(found))
-
-
-def port_from_cmdline(cmdline: list[str]) -> int:
-    """vLLM's --port (default 8000)."""
-    for i, arg in enumerate(cmdline):
-        if arg == "--port" and i + 1 < len(cmdline) and cmdline[i + 1].isdigit():
-            return int(cmdline[i + 1])
-        if arg.startswith("--port=") and arg[7:].isdigit():
-            return int(arg[7:])
-    return 8000
-
-
 def log_path_of(pid: int, proc_root: Path = procfs.PROC) -> str | None:
     """The regular file the process's stdout or stderr goes to: the server log, if redirected."""
     for fd in (2, 1):
@@ -451,29 +356,13 @@ def accelerator_devices(pid: int, proc_root: Path = procfs.PROC) -> tuple[str, .
     return tuple(sorted(found))
 
 
-def _own_addresses() -> set[tuple[str, int]]:
-    """This process's own socket addresses: wedgectl's scrape and /health connections to the target."""
-    try:
-        return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="inet") if c.laddr}
-    except (psutil.Error, OSError):
-        return set()
-
-
-def _sockets_from_psutil(proc: psutil.Process) -> tuple[tuple[str, ...], int]:
-    """(listening addresses, established connections not made by wedgectl itself). Our own /metrics
-    and /health requests run beside this read; counted, they would pass for clients (a leaked-capacity
-    count compares clients with requests). Ours are read before and after, so one open across the read is seen."""
-    before = _own_addresses()
-    conns = proc.net_connections(kind="inet")
-    ours = before | _own_addresses()
-    listening = {format_address(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
-    established = sum(1 for c in conns if c.status == psutil.CONN_ESTABLISHED
-                      and not (c.raddr and (c.raddr.ip, c.raddr.port) in ours))
-    return tuple(sorted(listening)), established
-
-
 # ---------------------------------------------------------------------------
 # sampling
+
+
+# The processes whose main threads take every engine step: the EngineCore schedules it and
+# collects its output, each Worker runs its shard of the model.
+STEPPING_ROLES = frozenset({Role.ENGINE_CORE, Role.WORKER})
 
 
 def _psutil_failure(exc: BaseException, pid: int, what: str) -> CollectorFailure:
@@ -492,6 +381,7 @@ def sample_process(
     with_threads: bool = True,
     proc_root: Path = procfs.PROC,
     timeout: float = 2.0,
+    own_addresses: frozenset[tuple[str, int]] | None = None,
 ) -> tuple[ProcessSample, tuple[CollectorFailure, ...]]:
     """One ProcessSample: state, CPU, threads (procfs) and name, cmdline, RSS, sockets (psutil).
 
@@ -530,7 +420,7 @@ def sample_process(
     listening: tuple[str, ...] = ()
     connections: int | None = None
     try:
-        listening, connections = _sockets_from_psutil(proc)
+        listening, connections = sockets_from_psutil(proc, own_addresses)
     except (psutil.Error, OSError) as exc:
         try:
             listening, connections = sockets_from_procfs(pid, proc_root)
@@ -564,6 +454,7 @@ def sample_process(
         threads=threads,
         started=_create_time(proc),
         devices=accelerator_devices(pid, proc_root),
+        main_quiet_s=procfs.main_thread_quiet_s(pid, proc_root) if role in STEPPING_ROLES else None,
     )
     return sample, tuple(failures)
 
@@ -579,9 +470,10 @@ def sample_roles(roles: dict[int, Role]) -> tuple[tuple[ProcessSample, ...], lis
     """One sample of each live process in `roles` (pid -> role); zombies and the exited are left out."""
     failures: list[CollectorFailure] = []
     out = []
+    own = frozenset(own_addresses()) if roles else None
     for proc in (psutil.Process(p) for p in roles if psutil.pid_exists(p)):
         try:
-            sample, fails = sample_process(proc, roles[proc.pid])
+            sample, fails = sample_process(proc, roles[proc.pid], own_addresses=own)
         except psutil.Error:
             failures.append(CollectorFailure(COLLECTOR, FailureKind.GONE, "exited mid-capture", str(proc.pid)))
             continue

@@ -168,13 +168,15 @@ def futex_from_syscall(
 
 def parse_ctxt_switches(status_text: str) -> tuple[int | None, int | None]:
     """(voluntary, nonvoluntary) context switches from a status file."""
-    vol = nonvol = None
-    for line in status_text.splitlines():
-        if line.startswith("voluntary_ctxt_switches:"):
-            vol = int(line.split(":", 1)[1])
-        elif line.startswith("nonvoluntary_ctxt_switches:"):
-            nonvol = int(line.split(":", 1)[1])
-    return vol, nonvol
+    def field(key: str) -> int | None:  # the file's last lines; find, not a split of all ~55
+        at = status_text.find("\n" + key)
+        if at < 0 and not status_text.startswith(key):
+            return None
+        start = at + 1 + len(key) if at >= 0 else len(key)
+        end = status_text.find("\n", start)
+        return int(status_text[start:end if end >= 0 else None])
+
+    return field("voluntary_ctxt_switches:"), field("nonvoluntary_ctxt_switches:")
 
 
 def thread_from_texts(
@@ -213,10 +215,15 @@ def thread_from_texts(
 # readers
 
 
-def _read_text(path: Path) -> str:
-    # One read() of a small /proc file is atomic for the kernel's seq_file.
-    with open(path, "rb", buffering=0) as f:
-        return f.read(65536).decode("utf-8", "replace")
+def _read_text(path: Path | str) -> str:
+    # One read() of a small /proc file is atomic for the kernel's seq_file. os.open/os.read, not
+    # open(): `top` reads four files of every thread each refresh, and a file object costs more
+    # than the read.
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 65536).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
 
 
 def start_ticks(pid: int, proc_root: Path = PROC) -> int | None:
@@ -242,6 +249,7 @@ class ProcessStat:
     stime_s: float
     num_threads: int
     starttime_ticks: int
+    processor: int | None = None  # the CPU it last ran on
 
     @property
     def cpu_s(self) -> float:
@@ -268,6 +276,7 @@ def read_process_stat(
             stime_s=st.stime_ticks / CLK_TCK,
             num_threads=st.num_threads,
             starttime_ticks=st.starttime_ticks,
+            processor=st.processor,
         ),
         (),
     )
@@ -310,12 +319,12 @@ def read_threads(
                 )
             )
             break
-        tdir = task_dir / str(tid)
+        tdir = f"{task_dir}/{tid}/"  # a str: pathlib's joins cost more than the reads
         texts: dict[str, str | None] = {}
         try:
             for name in ("stat", "wchan", "syscall", "status"):
                 try:
-                    texts[name] = _read_text(tdir / name)
+                    texts[name] = _read_text(tdir + name)
                 except PermissionError:
                     if name == "stat":
                         raise
@@ -490,3 +499,58 @@ def sched_clock_offsets(cpus: Iterable[int], proc_root: Path = PROC) -> dict[int
         for cpu in wanted:
             out.setdefault(cpu, median)
     return out
+
+
+class SchedClock:
+    """sched_clock_offsets, measured once per CPU and kept for REFRESH_S: a CPU's offset grows
+    only by the IRQ and steal time it accounts (about 0.1 ms a second here), so a capture, or
+    a minute of `top`, reads it once instead of pinning a thread every sample."""
+
+    REFRESH_S = 60.0
+
+    def __init__(self, proc_root: Path = PROC) -> None:
+        self.proc_root = proc_root
+        self._offsets: dict[int, tuple[float, float]] = {}  # cpu -> (offset, measured at)
+        self._lock = threading.Lock()
+
+    def offset(self, cpu: int) -> float | None:
+        with self._lock:
+            got = self._offsets.get(cpu)
+            if got is None or time.monotonic() - got[1] > self.REFRESH_S:
+                measured = sched_clock_offsets([cpu], self.proc_root)
+                if cpu not in measured:
+                    return None  # a CPU this process may not run on (a cpuset): no clock to read it by
+                got = self._offsets[cpu] = (measured[cpu], time.monotonic())
+            return got[0]
+
+
+CLOCK = SchedClock()
+
+
+def main_thread_quiet_s(pid: int, proc_root: Path = PROC, clock: SchedClock | None = None) -> float | None:
+    """How long a process's main thread has gone without a CPU, now: 0 while it runs or waits
+    for one, None where it cannot be read (no CONFIG_SCHED_DEBUG, a CPU out of reach).
+
+    se.exec_start is stamped on the clock of the CPU the thread ran on; stat names that CPU. The
+    sched file is read on both sides of stat and must not change in between: then the thread did
+    not run between the reads, and the CPU stat names is the one that stamped it. A migration
+    zeroes exec_start, which reads as unknown."""
+    base = proc_root / str(pid)
+    first = _read_or_none(base / "sched")
+    stat_text = _read_or_none(base / "stat")
+    second = _read_or_none(base / "sched")
+    if first is None or stat_text is None or second is None:
+        return None
+    try:
+        st = parse_stat(stat_text)
+    except (ValueError, IndexError):
+        return None
+    if st.state == "R":
+        return 0.0
+    es = parse_exec_start(first)
+    if not es or es != parse_exec_start(second) or st.processor is None:
+        return None
+    offset = (clock or CLOCK).offset(st.processor)
+    if offset is None:
+        return None
+    return max(0.0, time.monotonic() - (es + offset))

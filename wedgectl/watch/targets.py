@@ -9,12 +9,9 @@ from collections import deque
 from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
-import httpx
-
 from wedgectl import __version__
-from wedgectl.collect import processes, procread
-from wedgectl.collect import procfs
-from wedgectl.collect.scrape import scrape_metrics
+from wedgectl.collect import processes, procfs, procread
+from wedgectl.collect.scrape import Scraper
 from wedgectl.discover import Deployment, discover, tree_roles
 from wedgectl.errors import WedgectlError
 from wedgectl.metrics import MetricsParseError, parse_metrics
@@ -93,23 +90,6 @@ def host_deployments() -> list[int]:
     return [s.pid for s in find_servers()]
 
 
-class KeptTransport(httpx.BaseTransport):
-    """One HTTP transport for every scrape of a target: building one per scrape loads the CA store
-    each time (most of a cheap tick's CPU), and a kept-alive connection saves the handshake."""
-
-    def __init__(self) -> None:
-        self._inner = httpx.HTTPTransport()
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        return self._inner.handle_request(request)
-
-    def close(self) -> None:
-        pass  # each scrape's client closes its transport; this one outlives them
-
-    def shut(self) -> None:
-        self._inner.close()
-
-
 class Watched:
     """One deployment under watch: its rolling window of samples and the log tail. Its sample()
     blocks (HTTP, /proc, py-spy, each bounded); the daemon calls it from a worker thread."""
@@ -124,7 +104,7 @@ class Watched:
         self._log: tuple[str, ...] = ()
         self._log_read = 0.0
         self._roles_read = time.monotonic()  # discover() just walked the tree
-        self._transport = KeptTransport()
+        self._scraper = Scraper()  # one HTTP client for every look at this target, cheap or full
         if deployment.api_pid is not None:
             try:
                 self.model = served_model(procread.read_cmdline(deployment.api_pid))
@@ -163,7 +143,7 @@ class Watched:
         if self.deployment.metrics_url is None and self.spec.pid is not None:
             self._rediscover()  # the API server was not listening yet
         if full:
-            s = take_sample(self.deployment, with_stacks=stacks, options=options)
+            s = take_sample(self.deployment, with_stacks=stacks, options=options, scraper=self._scraper)
             self._roles_read = 0.0  # the tree may have changed: walk it again at the next cheap tick
         else:
             s = self._cheap_sample(options)
@@ -193,14 +173,14 @@ class Watched:
                 continue
             procs.append(ProcessSample(pid=pid, ppid=stat.ppid, role=role, name=stat.comm, state=stat.state,
                                        cpu_user_s=stat.utime_s, cpu_system_s=stat.stime_s, num_threads=stat.num_threads))
-        metrics = scrape_metrics(d.metrics_url, options.scrape_timeout_s, self._transport) if d.metrics_url else None
+        metrics = self._scraper.metrics(d.metrics_url, options.scrape_timeout_s) if d.metrics_url else None
         if metrics is not None and not metrics.ok:
             failures.append(CollectorFailure("metrics", FailureKind.UNREACHABLE, metrics.error or f"HTTP {metrics.status}",
                                              d.metrics_url or ""))
         return Sample(t=t, metrics=metrics, processes=tuple(procs), failures=tuple(failures))
 
     def close(self) -> None:
-        self._transport.shut()
+        self._scraper.close()
 
     def _rediscover(self) -> None:
         try:
