@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
 
 # Series the plugin in engine/ publishes (the engine heartbeat). Absent on stock vLLM.
 HEARTBEAT_STEPS = "wedge_engine:steps_total"
@@ -114,6 +114,18 @@ def _parse_cached(text: str) -> MetricsSnapshot:
         raise MetricsParseError("empty metrics page")
     if "\x00" in text or text.lstrip().startswith("<"):
         raise MetricsParseError("the page is not Prometheus text (binary or HTML)")
+    samples = _parse_plain(text)
+    if samples is None:
+        samples = _parse_with_prometheus_client(text)
+    if not samples:
+        raise MetricsParseError("the page holds no metric samples")
+    return MetricsSnapshot({k: tuple(v) for k, v in samples.items()})
+
+
+def _parse_with_prometheus_client(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """prometheus_client's parser: the reference for anything _parse_plain does not take."""
+    from prometheus_client.parser import text_string_to_metric_families  # its package imports ~40 ms
+
     samples: dict[str, list[tuple[dict[str, str], float]]] = {}
     try:
         for family in text_string_to_metric_families(text):
@@ -121,6 +133,44 @@ def _parse_cached(text: str) -> MetricsSnapshot:
                 samples.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
     except (ValueError, TypeError, IndexError, KeyError) as exc:
         raise MetricsParseError(f"the page is not Prometheus text: {exc}") from None
-    if not samples:
-        raise MetricsParseError("the page holds no metric samples")
-    return MetricsSnapshot({k: tuple(v) for k, v in samples.items()})
+    return samples
+
+
+# The text format as prometheus_client writes it (what vLLM serves): one sample a line, label
+# values quoted with \\, \" and \n escaped. _parse_plain reads only lines that match these
+# exactly and gives up on the first that does not, for prometheus_client's parser to decide;
+# tests hold the two to the same result on every recorded scrape.
+_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*"'
+_SAMPLE = re.compile(rf"({_NAME})(?:\{{((?:{_LABEL})(?:,{_LABEL})*,?)?\}})? "
+                     r"([-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?Inf|NaN)(?: -?[0-9]+)?")
+_LABEL_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"')
+_UNESCAPE = re.compile(r"\\([\\\"n])")
+_TYPES = frozenset({"counter", "gauge", "histogram", "summary", "untyped", "info", "stateset", "gaugehistogram", "unknown"})
+
+
+def _parse_plain(text: str) -> dict[str, list[tuple[dict[str, str], float]]] | None:
+    """The samples of well-formed text-format exposition, or None to leave the page to
+    prometheus_client. About 10x faster than its character-by-character parser: `top` and a
+    watcher parse every scrape."""
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in text.split("\n"):
+        if not line:
+            continue
+        if line[0] == "#":
+            parts = line.split(" ", 3)
+            if len(parts) >= 2 and parts[1] == "TYPE" and (len(parts) < 4 or parts[3] not in _TYPES):
+                return None
+            continue
+        m = _SAMPLE.fullmatch(line)
+        if m is None:
+            return None
+        name, labels_text, value = m.groups()
+        labels: dict[str, str] = {}
+        if labels_text:
+            for key, raw in _LABEL_PAIR.findall(labels_text):
+                if key in labels:
+                    return None
+                labels[key] = _UNESCAPE.sub(lambda e: "\n" if e.group(1) == "n" else e.group(1), raw) if "\\" in raw else raw
+        samples.setdefault(name, []).append((labels, float(value)))
+    return samples

@@ -181,10 +181,10 @@ class Workload:
             self._clients.append(c)
         return c
 
-    def _send(self, body: dict[str, Any], give_up_s: float = 0.0) -> None:
+    def _send(self, body: dict[str, Any], give_up_s: float = 0.0, client: httpx.Client | None = None) -> None:
         t0 = time.monotonic()
         result: dict[str, Any] = {"max_tokens": body["max_tokens"]}
-        client = self._client(give_up_s or None)
+        client = client or self._client(give_up_s or None)
         try:
             r = client.post(f"{self.base_url}/v1/completions", json=body)
             result.update(status=r.status_code, body=r.text[:400])
@@ -215,8 +215,12 @@ class Workload:
 
     def _stream(self, spec: StreamSpec) -> None:
         body = RequestSpec(prompt=spec.prompt, max_tokens=spec.max_tokens).body()
+        # One client per stream, its connection reused: a client per request, kept until stop (as
+        # a held request's must be), would leave every finished request's socket open, thousands
+        # an hour in a kept repro, until the holder runs out of file descriptors.
+        client = self._client()
         while not self._stop.is_set():
-            self._send(body)
+            self._send(body, client=client)
 
     def _spawn(self, fn: Callable[..., None], *args: Any) -> None:
         t = threading.Thread(target=fn, args=args, daemon=True)

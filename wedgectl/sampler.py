@@ -111,9 +111,11 @@ def _dump_burst(pid: int, native: bool, repeats: int) -> list[StackDump]:
 
 
 def _collect_stacks(procs: tuple[ProcessSample, ...], native: bool, burst: int = 1) -> tuple[tuple[StackDump, ...], list[CollectorFailure]]:
-    """One dump of every Python process; a burst of `burst` dumps of the EngineCore and Workers
-    (a single snapshot of a loop says little about where it spends its time)."""
+    """One dump of every Python process; or a burst of `burst` dumps of the EngineCore and Workers
+    only (a single snapshot of a loop says little about where it spends its time)."""
     targets = [p for p in procs if p.role != Role.OTHER or "python" in p.name.lower()]
+    if burst > 1:  # a burst asks where the engine spends its time; the first sample dumped the rest
+        targets = [p for p in targets if p.role in (Role.ENGINE_CORE, Role.WORKER)] or targets
     if not targets:
         return (), []
     def run(p: ProcessSample) -> list[StackDump]:
@@ -324,7 +326,8 @@ class _Pending:
                       processes=self.procs, stacks=stacks, failures=tuple(failures))
 
 
-def _begin(dep: Deployment, scraper: Scraper, options: SamplerOptions, burst: int) -> _Pending:
+def _begin(dep: Deployment, scraper: Scraper, options: SamplerOptions, burst: int,
+           early: tuple[Future, int] | None = None) -> _Pending:
     """Start one sample: /proc now (its instant is the sample's time), then the scrape and the
     stack dumps in the background, so a slow server or py-spy does not hold the sampling clock."""
     t = time.time()
@@ -337,7 +340,10 @@ def _begin(dep: Deployment, scraper: Scraper, options: SamplerOptions, burst: in
     failures: list[CollectorFailure] = []
     if dep.root_pid is not None:
         procs, failures = _collect_processes(dep)
-        if burst and procs:
+        if early is not None:  # a burst begun as soon as it was asked for: this sample carries it
+            future, burst = early
+            jobs["stacks"] = lambda: future.result()["stacks"]
+        elif burst and procs:
             jobs["stacks"] = lambda: _collect_stacks(procs, options.native, burst)
     return _Pending(t, procs, list(failures), _background(jobs), burst if "stacks" in jobs else 0)
 
@@ -373,11 +379,12 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
     due = start
     burst = 1 if options.stacks else 0  # the first sample: one dump of every Python process
     burst_asked = burst_taken = stop = False  # the engine's stack burst: asked for, then in the evidence
+    early: tuple[Future, int] | None = None  # that burst, begun when asked for, for the next sample to carry
     while not stop:
         now = time.monotonic()
         if now >= due and len(pending) < MAX_IN_FLIGHT:
-            pending.append(_begin(dep, scraper, options, burst))
-            burst = 0
+            pending.append(_begin(dep, scraper, options, burst, early))
+            burst, early = 0, None
             due += options.interval_s
             if due < time.monotonic():  # a slow /proc or py-spy: skip the missed ticks, do not bunch them
                 due = time.monotonic() + options.interval_s
@@ -416,7 +423,14 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
                 stop = True
                 break
             if step.burst and not burst_asked:
-                burst, burst_asked = step.burst, True
+                # Dumped now, in the interval's wait, not when the next sample begins: that sample
+                # then carries stacks already taken, and its verdict does not wait for py-spy.
+                burst_asked = True
+                if sample.processes:
+                    procs, n = sample.processes, step.burst
+                    early = (_background({"stacks": lambda: _collect_stacks(procs, options.native, n)}), n)
+                else:
+                    burst = step.burst
             if step.probes:
                 probes.start(options.window_s - elapsed)
     # A stop leaves at most one scrape in flight: it is abandoned (its thread ends within the

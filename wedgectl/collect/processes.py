@@ -13,7 +13,9 @@ import psutil
 
 from wedgectl.collect import procfs, procread
 from wedgectl.collect._failures import failure_from_oserror, permission_hint
-from wedgectl.collect.sockets import listening_of, own_addresses, sockets_from_procfs, sockets_from_psutil
+from wedgectl.collect.sockets import (
+    TcpTables, listening_of, own_tcp_addresses, sockets_from_procfs, sockets_from_psutil, sockets_from_tables,
+)
 from wedgectl.redact import redact_argv
 from wedgectl.types import CollectorFailure, FailureKind, ProcessSample, Role
 
@@ -381,7 +383,7 @@ def sample_process(
     with_threads: bool = True,
     proc_root: Path = procfs.PROC,
     timeout: float = 2.0,
-    own_addresses: frozenset[tuple[str, int]] | None = None,
+    tables: tuple[TcpTables, frozenset[tuple[str, int]]] | None = None,
 ) -> tuple[ProcessSample, tuple[CollectorFailure, ...]]:
     """One ProcessSample: state, CPU, threads (procfs) and name, cmdline, RSS, sockets (psutil).
 
@@ -420,7 +422,10 @@ def sample_process(
     listening: tuple[str, ...] = ()
     connections: int | None = None
     try:
-        listening, connections = sockets_from_psutil(proc, own_addresses)
+        if tables is not None:  # a sample of several processes: the TCP table read once, ours with it
+            listening, connections = sockets_from_tables(pid, *tables)
+        else:
+            listening, connections = sockets_from_psutil(proc)
     except (psutil.Error, OSError) as exc:
         try:
             listening, connections = sockets_from_procfs(pid, proc_root)
@@ -470,10 +475,11 @@ def sample_roles(roles: dict[int, Role]) -> tuple[tuple[ProcessSample, ...], lis
     """One sample of each live process in `roles` (pid -> role); zombies and the exited are left out."""
     failures: list[CollectorFailure] = []
     out = []
-    own = frozenset(own_addresses()) if roles else None
+    tables = TcpTables()
+    ours = own_tcp_addresses(tables) if roles else frozenset()
     for proc in (psutil.Process(p) for p in roles if psutil.pid_exists(p)):
         try:
-            sample, fails = sample_process(proc, roles[proc.pid], own_addresses=own)
+            sample, fails = sample_process(proc, roles[proc.pid], tables=(tables, ours))
         except psutil.Error:
             failures.append(CollectorFailure(COLLECTOR, FailureKind.GONE, "exited mid-capture", str(proc.pid)))
             continue

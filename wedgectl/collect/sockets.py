@@ -124,10 +124,86 @@ def port_from_cmdline(cmdline: list[str]) -> int:
     return 8000
 
 
+class TcpTables:
+    """The TCP sockets of the network namespaces one sample meets, each namespace's table read once.
+
+    /proc/PID/net/tcp[6] lists every socket of the namespace: on a busy host thousands of lines,
+    mostly TIME_WAIT. psutil reads and decodes it whole once per process asked; here it is read
+    once per sample, only LISTEN and ESTABLISHED rows are kept (a socket no process holds has
+    inode 0 and is skipped), and an address is decoded only for a socket a sampled process holds."""
+
+    def __init__(self, proc_root: Path = procfs.PROC) -> None:
+        self.proc_root = proc_root
+        self._tables: dict[str, dict[int, tuple[int, str, str]]] = {}  # netns -> inode -> (state, local, remote) hex
+
+    def _table(self, pid: int) -> dict[int, tuple[int, str, str]]:
+        base = self.proc_root / str(pid)
+        try:
+            ns = os.readlink(base / "ns" / "net")
+        except OSError:
+            ns = f"pid {pid}"  # unreadable: a table of its own
+        table = self._tables.get(ns)
+        if table is None:
+            table = self._tables[ns] = {}
+            for name in ("tcp", "tcp6"):
+                try:
+                    text = (base / "net" / name).read_text()
+                except FileNotFoundError:
+                    continue  # no IPv6
+                for line in text.splitlines()[1:]:
+                    f = line.split(None, 10)
+                    if len(f) >= 10 and f[3] in ("01", "0A") and f[9] != "0" and f[9].isdigit():
+                        table[int(f[9])] = (int(f[3], 16), f[1], f[2])
+        return table
+
+    def of(self, pid: int) -> list[tuple[int, str, tuple[str, int]]]:
+        """(state, local 'ip:port', remote (ip, port)) of each LISTEN or ESTABLISHED socket pid holds.
+        Raises OSError (PermissionError without CAP_SYS_PTRACE over it) when its fds are unreadable."""
+        table = self._table(pid)
+        out = []
+        for inode in socket_inodes(pid, self.proc_root):
+            row = table.get(inode)
+            if row is None:
+                continue
+            state, local, remote = row
+            try:
+                lip, lport = local.rsplit(":", 1)
+                rip, rport = remote.rsplit(":", 1)
+                out.append((state, format_address(_hex_ip(lip), int(lport, 16)), (_hex_ip(rip), int(rport, 16))))
+            except ValueError:
+                continue  # a row the kernel never writes: skipped, not fatal
+        return out
+
+
+def own_tcp_addresses(tables: TcpTables) -> frozenset[tuple[str, int]]:
+    """wedgectl's own local TCP addresses (its scrape and /health connections), read through `tables`."""
+    try:
+        mine = tables.of(os.getpid())
+    except OSError:
+        return frozenset()
+    out = set()
+    for _state, local, _remote in mine:
+        ip, port = local.rsplit(":", 1)
+        out.add((ip.strip("[]"), int(port)))
+    return frozenset(out)
+
+
+def sockets_from_tables(pid: int, tables: TcpTables, ours: frozenset[tuple[str, int]]) -> tuple[tuple[str, ...], int]:
+    """(listening addresses, established connections not made by wedgectl itself): `ours` are
+    wedgectl's own addresses, read before the process's (see sockets_from_psutil for why)."""
+    listening, established = set(), 0
+    for state, local, remote in tables.of(pid):
+        if state == TCP_LISTEN:
+            listening.add(local)
+        elif state == TCP_ESTABLISHED and remote not in ours:
+            established += 1
+    return tuple(sorted(listening)), established
+
+
 def own_addresses() -> set[tuple[str, int]]:
     """This process's own socket addresses: wedgectl's scrape and /health connections to the target."""
     try:
-        return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="inet") if c.laddr}
+        return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="tcp") if c.laddr}
     except (psutil.Error, OSError):
         return set()
 
@@ -140,7 +216,7 @@ def sockets_from_psutil(proc: psutil.Process, own: frozenset[tuple[str, int]] | 
     being the host's whole TCP table. One of ours opened after that read can only be counted as a
     client: that hides a leak, never makes one."""
     before = own_addresses() if own is None else own
-    conns = proc.net_connections(kind="inet")
+    conns = proc.net_connections(kind="tcp")
     ours = before | (own_addresses() if own is None else set())
     listening = {format_address(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
     established = sum(1 for c in conns if c.status == psutil.CONN_ESTABLISHED
