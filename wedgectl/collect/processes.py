@@ -340,22 +340,15 @@ def log_path_of(pid: int, proc_root: Path = procfs.PROC) -> str | None:
 _ACCEL_PREFIXES = ("/dev/nvidia", "/dev/dri/", "/dev/kfd", "/dev/accel", "/dev/neuron", "/dev/hl")
 
 
-def accelerator_devices(pid: int, proc_root: Path = procfs.PROC) -> tuple[str, ...]:
-    """The accelerator device nodes `pid` holds open (readlink /proc/PID/fd/*); () when none or unreadable."""
-    found: set[str] = set()
-    fd_dir = proc_root / str(pid) / "fd"
-    try:
-        fds = os.listdir(fd_dir)
-    except OSError:
-        return ()
-    for fd in fds:
+def accelerator_devices(pid: int, proc_root: Path = procfs.PROC, links: list[str] | None = None) -> tuple[str, ...]:
+    """The accelerator device nodes `pid` holds open (`links`: its procfs.fd_links, if read); () when
+    none or unreadable."""
+    if links is None:
         try:
-            link = os.readlink(fd_dir / fd)
+            links = procfs.fd_links(pid, proc_root)
         except OSError:
-            continue
-        if link.startswith(_ACCEL_PREFIXES):
-            found.add(link)
-    return tuple(sorted(found))
+            return ()
+    return tuple(sorted({link for link in links if link.startswith(_ACCEL_PREFIXES)}))
 
 
 # ---------------------------------------------------------------------------
@@ -422,8 +415,12 @@ def sample_process(
     listening: tuple[str, ...] = ()
     connections: int | None = None
     try:
+        links: list[str] | None = procfs.fd_links(pid, proc_root)  # read once: sockets and devices
+    except OSError:
+        links = None
+    try:
         if tables is not None:  # a sample of several processes: the TCP table read once, ours with it
-            listening, connections = sockets_from_tables(pid, *tables)
+            listening, connections = sockets_from_tables(pid, *tables, links=links)
         else:
             listening, connections = sockets_from_psutil(proc)
     except (psutil.Error, OSError) as exc:
@@ -458,7 +455,7 @@ def sample_process(
         connections=connections,
         threads=threads,
         started=_create_time(proc),
-        devices=accelerator_devices(pid, proc_root),
+        devices=accelerator_devices(pid, proc_root, links),
         main_quiet_s=procfs.main_thread_quiet_s(pid, proc_root) if role in STEPPING_ROLES else None,
     )
     return sample, tuple(failures)

@@ -226,6 +226,21 @@ def _read_text(path: Path | str) -> str:
         os.close(fd)
 
 
+def fd_links(pid: int, proc_root: Path = PROC) -> list[str]:
+    """What each open file descriptor of `pid` points to (readlink /proc/PID/fd/*): 'socket:[N]',
+    '/dev/nvidia0', a path. An fd closed meanwhile is skipped; OSError (PermissionError without
+    CAP_SYS_PTRACE over it) when the fd directory is unreadable. str paths: a vLLM Worker holds
+    hundreds of fds, and a sample reads them all."""
+    fd_dir = f"{proc_root}/{pid}/fd/"
+    links = []
+    for fd in os.listdir(fd_dir):
+        try:
+            links.append(os.readlink(fd_dir + fd))
+        except FileNotFoundError:
+            continue
+    return links
+
+
 def start_ticks(pid: int, proc_root: Path = PROC) -> int | None:
     """When the process started (clock ticks after boot, /proc/PID/stat field 22); None if gone.
 

@@ -56,19 +56,13 @@ def parse_proc_net_tcp(text: str) -> list[SocketEntry]:
     return entries
 
 
-def socket_inodes(pid: int, proc_root: Path = procfs.PROC) -> set[int]:
-    """Inodes of the sockets ``pid`` holds open (readlink /proc/PID/fd/* -> 'socket:[N]')."""
-    inodes = set()
-    fd_dir = proc_root / str(pid) / "fd"
-    for fd in os.listdir(fd_dir):
-        try:
-            link = os.readlink(fd_dir / fd)
-        except FileNotFoundError:
-            continue  # closed meanwhile
-        # PermissionError (no CAP_SYS_PTRACE over the target) propagates: "no sockets" would be a lie
-        if link.startswith("socket:["):
-            inodes.add(int(link[8:-1]))
-    return inodes
+def socket_inodes(pid: int, proc_root: Path = procfs.PROC, links: list[str] | None = None) -> set[int]:
+    """Inodes of the sockets ``pid`` holds open (readlink /proc/PID/fd/* -> 'socket:[N]'; `links`:
+    its procfs.fd_links, if read). PermissionError (no CAP_SYS_PTRACE over the target)
+    propagates: "no sockets" would be a lie."""
+    if links is None:
+        links = procfs.fd_links(pid, proc_root)
+    return {int(link[8:-1]) for link in links if link.startswith("socket:[") and link[8:-1].isdigit()}
 
 
 def sockets_from_procfs(pid: int, proc_root: Path = procfs.PROC) -> tuple[tuple[str, ...], int]:
@@ -156,12 +150,12 @@ class TcpTables:
                         table[int(f[9])] = (int(f[3], 16), f[1], f[2])
         return table
 
-    def of(self, pid: int) -> list[tuple[int, str, tuple[str, int]]]:
+    def of(self, pid: int, links: list[str] | None = None) -> list[tuple[int, str, tuple[str, int]]]:
         """(state, local 'ip:port', remote (ip, port)) of each LISTEN or ESTABLISHED socket pid holds.
         Raises OSError (PermissionError without CAP_SYS_PTRACE over it) when its fds are unreadable."""
         table = self._table(pid)
         out = []
-        for inode in socket_inodes(pid, self.proc_root):
+        for inode in socket_inodes(pid, self.proc_root, links):
             row = table.get(inode)
             if row is None:
                 continue
@@ -188,11 +182,12 @@ def own_tcp_addresses(tables: TcpTables) -> frozenset[tuple[str, int]]:
     return frozenset(out)
 
 
-def sockets_from_tables(pid: int, tables: TcpTables, ours: frozenset[tuple[str, int]]) -> tuple[tuple[str, ...], int]:
+def sockets_from_tables(pid: int, tables: TcpTables, ours: frozenset[tuple[str, int]],
+                        links: list[str] | None = None) -> tuple[tuple[str, ...], int]:
     """(listening addresses, established connections not made by wedgectl itself): `ours` are
     wedgectl's own addresses, read before the process's (see sockets_from_psutil for why)."""
     listening, established = set(), 0
-    for state, local, remote in tables.of(pid):
+    for state, local, remote in tables.of(pid, links):
         if state == TCP_LISTEN:
             listening.add(local)
         elif state == TCP_ESTABLISHED and remote not in ours:
