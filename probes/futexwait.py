@@ -23,7 +23,10 @@ other work, and the same two tracepoints with an empty program cost as much
 every syscall on the host takes the slow path, and each futex call fills a
 perf trace record), not the program, which runs one map write and one read
 per call. The cost scales with the host's syscall rate and the target's futex
-rate; on a serving vLLM server see OVERHEAD. Maps are bounded (--max-entries,
+rate; on a serving vLLM server see OVERHEAD. Probing futex_wait/futex_wake
+instead would skip the syscall path, but the reference kernel has no kprobe
+events (no kprobe_events in tracefs) and bpftrace 0.17 no kfunc probes on it,
+so the syscall tracepoints are the one attach point there. Maps are bounded (--max-entries,
 default 4096 per map); a full map drops new keys and the result says so. The program exits by itself after
 --duration seconds (an in-kernel interval probe), so a killed wedgectl never
 leaves it attached.

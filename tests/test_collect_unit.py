@@ -11,7 +11,8 @@ import pytest
 
 from wedgectl.collect import procfs, pyspy, scrape
 from wedgectl.collect.processes import classify_role
-from wedgectl.collect.sockets import format_address, parse_proc_net_tcp
+from wedgectl.collect import sockets
+from wedgectl.collect.sockets import TcpTables, format_address, parse_proc_net_tcp, sockets_from_tables
 from wedgectl.types import FailureKind, FutexWaiters, Role, StackDump, ThreadSample
 
 # --- recorded /proc text (x86_64, kernel 6.18) --------------------------------
@@ -266,6 +267,36 @@ def test_parse_proc_net_tcp() -> None:
     v6 = parse_proc_net_tcp(NET_TCP6)
     assert [e.local for e in v6] == ["[::1]:8001", "127.0.0.1:8002"]
     assert format_address("::", 80) == "[::]:80"
+
+
+def _net_tree(root: Path, pid: int, fds: dict[str, str]) -> None:
+    (root / str(pid) / "net").mkdir(parents=True)
+    (root / str(pid) / "net" / "tcp").write_text(NET_TCP)
+    (root / str(pid) / "cmdline").write_bytes(b"python\0-m\0vllm.entrypoints.openai.api_server\0--port\08000\0")
+    (root / str(pid) / "fd").mkdir()
+    for fd, target in fds.items():
+        (root / str(pid) / "fd" / fd).symlink_to(target)
+
+
+def test_tcp_tables_read_a_recorded_tree(tmp_path: Path) -> None:
+    _net_tree(tmp_path, 4101, {"3": "socket:[45657]", "4": "socket:[45681]", "5": "/dev/null"})
+    tables = TcpTables(tmp_path)
+    rows = tables.of(4101)
+    assert sorted(rows) == [(0x01, "127.0.0.1:8000", ("127.0.0.1", 0xD4C2)), (0x0A, "0.0.0.0:8000", ("0.0.0.0", 0))]
+    assert sockets_from_tables(4101, tables, frozenset()) == (("0.0.0.0:8000",), 1)
+    # the established one is ours (wedgectl's scrape): not a client
+    assert sockets_from_tables(4101, tables, frozenset({("127.0.0.1", 0xD4C2)})) == (("0.0.0.0:8000",), 0)
+
+
+def test_listening_of_falls_back_to_the_port_in_the_cmdline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without CAP_SYS_PTRACE the fds are unreadable: the LISTEN rows on the port the cmdline names."""
+    _net_tree(tmp_path, 4101, {})
+
+    def refused(pid: int, proc_root: Path = tmp_path) -> tuple[tuple[str, ...], int]:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(sockets, "sockets_from_procfs", refused)
+    assert sockets.listening_of(4101, tmp_path) == ("0.0.0.0:8000",)
 
 
 # --- py-spy with a fake runner -----------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from wedgectl.collect import procfs
+from wedgectl.collect import procfs, procread
 
 
 @dataclass(frozen=True)
