@@ -49,3 +49,53 @@ def test_a_stream_reuses_one_connection_per_stream():
     assert len(workload._clients) == cfg.stream.concurrency  # one client per stream, not per request
     assert len(_Completions.peers) == cfg.stream.concurrency  # each kept its one connection
     assert sum(1 for r in workload.results if r.get("status") == 200) >= 40
+
+
+def test_a_stream_backs_off_from_a_refusing_server():
+    """A server going away refuses connections; the stream pauses between tries, not spins."""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = find_config("healthy")
+    workload = Workload(f"http://127.0.0.1:{port}", cfg)
+    try:
+        workload.start_now()
+        time.sleep(1.2)
+    finally:
+        workload.stop()
+    refused = [r for r in workload.results if "error" in r]
+    assert refused, workload.results
+    # STREAM_BACKOFF_S = 0.5 s: at most 3 tries per stream in 1.2 s; without it, hundreds
+    assert len(refused) <= 3 * cfg.stream.concurrency + cfg.stream.concurrency
+
+
+def test_the_clients_process_stops_on_sigterm_with_its_results_written(tmp_path):
+    """`repro` without --keep stops its clients' process before the server, so the results it
+    reports are the workload's against a live server; the process writes them and exits."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Completions)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    results = tmp_path / "client.json"
+    cfg = find_config("healthy")
+    proc = subprocess.Popen([sys.executable, "-m", "wedgectl._hold", f"http://127.0.0.1:{server.server_address[1]}",
+                             str(os.getpid()), str(cfg.path), str(results), "120"])
+    try:
+        deadline = time.monotonic() + 60
+        while not (results.exists() and json.loads(results.read_text() or "[]")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        server.shutdown()
+        server.server_close()
+    assert rc == 0
+    written = json.loads(results.read_text())
+    assert written and all(r.get("status") == 200 for r in written)

@@ -31,12 +31,15 @@ from wedgectl.lifecycle import (
     signal_server,
     start_detached,
     stop_server,
+    stop_tree,
 )
 from wedgectl.metrics import MetricsParseError, MetricsSnapshot, parse_metrics
 from wedgectl.plugin import FIXES_ENV, ensure_engine_plugin
 from wedgectl.types import Role, Verdict
 
 REPROS_DIR = Path(__file__).with_name("repros")
+HOLDER_STOP_S = 5.0  # the clients' process writes its results and exits on SIGTERM
+STREAM_BACKOFF_S = 0.5  # a stream's pause after an error or a refusal
 
 
 class ReproError(WedgectlError):
@@ -181,7 +184,7 @@ class Workload:
             self._clients.append(c)
         return c
 
-    def _send(self, body: dict[str, Any], give_up_s: float = 0.0, client: httpx.Client | None = None) -> None:
+    def _send(self, body: dict[str, Any], give_up_s: float = 0.0, client: httpx.Client | None = None) -> dict[str, Any]:
         t0 = time.monotonic()
         result: dict[str, Any] = {"max_tokens": body["max_tokens"]}
         client = client or self._client(give_up_s or None)
@@ -199,6 +202,7 @@ class Workload:
         result["elapsed_s"] = round(time.monotonic() - t0, 3)
         with self._lock:
             self.results.append(result)
+        return result
 
     def _stalled_upload(self, body: dict[str, Any]) -> None:
         """A client that announces a body and stops sending it (a stuck upload or proxy).
@@ -220,7 +224,8 @@ class Workload:
         # an hour in a kept repro, until the holder runs out of file descriptors.
         client = self._client()
         while not self._stop.is_set():
-            self._send(body, client=client)
+            if self._send(body, client=client).get("status") != 200:
+                self._stop.wait(STREAM_BACKOFF_S)  # a refusing server is not hammered in a loop
 
     def _spawn(self, fn: Callable[..., None], *args: Any) -> None:
         t = threading.Thread(target=fn, args=args, daemon=True)
@@ -488,6 +493,9 @@ def run_repro(
                      f"{holder.pid if holder else '?'} (they hold the requests open for up to 1 h)")
         else:
             workload.stop()
+            if holder is not None:
+                # The clients first: what they record from here on is a server going away.
+                stop_tree(holder.pid, grace=HOLDER_STOP_S, popen=holder)
             elapsed = stop_server(server, grace=5)
             notes.append(f"teardown took {elapsed:.1f} s")
     results = list(workload.results)
