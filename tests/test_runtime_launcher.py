@@ -54,6 +54,11 @@ FAKE_VLLM = textwrap.dedent(
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if mode == "never-healthy":
         time.sleep(600)
+    if mode in ("slow-start", "chatty"):  # a start that keeps logging: slow-start answers after 8 s
+        t0 = time.monotonic()
+        while mode == "chatty" or time.monotonic() - t0 < 8:
+            print("fake vllm still loading", flush=True)
+            time.sleep(0.3)
 
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -141,7 +146,7 @@ def test_start_fails_fast_when_the_server_exits(fake_python: Path, tmp_path: Pat
 
 
 def test_start_times_out_and_cleans_up(fake_python: Path, tmp_path: Path) -> None:
-    with pytest.raises(ServerStartError, match="within 1 s") as failure:
+    with pytest.raises(ServerStartError, match="its log silent for 1 s") as failure:
         start_server(spec(tmp_path, FAKE_MODE="never-healthy"), fake_python,
                      tmp_path / "log", health_timeout=1)
     assert "fake vllm starting" in str(failure.value)
@@ -150,6 +155,24 @@ def test_start_times_out_and_cleans_up(fake_python: Path, tmp_path: Path) -> Non
         if str(fake_python) in " ".join(p.info["cmdline"] or ())
     ]
     assert wait_gone(tuple(p.pid for p in leftovers)) == []
+
+
+def test_a_start_whose_log_still_grows_is_waited_for(fake_python: Path, tmp_path: Path) -> None:
+    """A loaded host makes every phase of start-up slower: the quiet timeout counts from the log's
+    last growth, so a start still logging is not killed at health_timeout."""
+    started = time.monotonic()
+    server = start_server(spec(tmp_path, FAKE_MODE="slow-start"), fake_python, tmp_path / "log", health_timeout=4)
+    try:
+        assert time.monotonic() - started >= 8  # twice health_timeout: waited because the log grew
+    finally:
+        stop_server(server, grace=2)
+
+
+def test_a_start_that_logs_forever_is_capped(fake_python: Path, tmp_path: Path) -> None:
+    started = time.monotonic()
+    with pytest.raises(ServerStartError, match="still growing at the cap of 12 s"):
+        start_server(spec(tmp_path, FAKE_MODE="chatty"), fake_python, tmp_path / "log", health_timeout=4)
+    assert time.monotonic() - started < 30
 
 
 def test_running_server_stops_on_keyboard_interrupt(fake_python: Path, tmp_path: Path) -> None:

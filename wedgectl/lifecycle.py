@@ -36,6 +36,8 @@ from wedgectl.collect.target import Credentials
 from wedgectl.errors import WedgectlError
 
 HEALTH_POLL_S = 0.5
+HEALTH_CAP_FACTOR = 3  # wait_healthy's bound on a start whose log keeps growing: 3 x its quiet timeout
+HEALTH_PROGRESS_S = 30.0  # wait_healthy's progress line: one per 30 s
 HEALTH_REQUEST_S = 2.0  # one GET /health; a server that takes longer is not healthy yet
 STOP_POLL_S = 0.05
 KILL_WAIT_S = 5.0  # after SIGKILL, for the kernel to end what was killed
@@ -106,7 +108,8 @@ class Stopped:
 # ------------------------------------------------------------------ starting
 
 
-def start_server(command: Command, health_timeout: float = 180) -> Server:
+def start_server(command: Command, health_timeout: float = 180,
+                 progress: Callable[[str], None] | None = None) -> Server:
     """Launch `command` (owned) and return once GET /health answers 200.
 
     Raises ServerStartError, after tearing the tree down, when the process exits
@@ -115,7 +118,7 @@ def start_server(command: Command, health_timeout: float = 180) -> Server:
     """
     server = launch(command)
     try:
-        wait_healthy(server, health_timeout)
+        wait_healthy(server, health_timeout, progress)
     except BaseException:
         stop_server(server, grace=5)
         raise
@@ -205,9 +208,18 @@ def health_client() -> httpx.Client:
     return httpx.Client(timeout=HEALTH_REQUEST_S, trust_env=False)
 
 
-def wait_healthy(server: Server, timeout: float) -> None:
-    """Poll /health until 200; ServerStartError when the process exits or `timeout` passes."""
-    deadline = time.monotonic() + timeout
+def wait_healthy(server: Server, timeout: float, progress: Callable[[str], None] | None = None) -> None:
+    """Poll /health until 200; ServerStartError when the process exits, or when its log has not
+    grown for `timeout` seconds.
+
+    A start whose log still grows is still starting: on a loaded host (the normal case) loading,
+    compiling and profiling all take longer, and a fixed deadline would kill a server that was
+    about to answer. The wait is capped at HEALTH_CAP_FACTOR x `timeout` all the same. Every
+    HEALTH_PROGRESS_S it tells `progress` how long it has waited and the log's last line.
+    """
+    start = time.monotonic()
+    told = start
+    last_growth, size = start, _log_size(server.log_path)
     with health_client() as client:
         while True:
             code = server.popen.poll()
@@ -219,13 +231,31 @@ def wait_healthy(server: Server, timeout: float) -> None:
                 )
             if health_status(client, server.url) == 200:
                 return
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            grown = _log_size(server.log_path)
+            if grown > size:
+                last_growth, size = now, grown
+            if progress is not None and now - told >= HEALTH_PROGRESS_S:
+                told = now
+                last = log_tail(server.log_path, lines=1).strip()
+                progress(f"still starting after {now - start:.0f} s; log: {last[-120:] or '(empty)'}")
+            quiet = now - last_growth >= timeout
+            if quiet or now - start >= HEALTH_CAP_FACTOR * timeout:
+                why = (f"its log silent for {timeout:.0f} s" if quiet
+                       else f"its log still growing at the cap of {HEALTH_CAP_FACTOR * timeout:.0f} s")
                 raise ServerStartError(
-                    f"vLLM did not answer {server.url}/health within {timeout:.0f} s "
-                    f"(log {server.log_path}):\n{log_tail(server.log_path)}",
-                    reason=f"/health did not answer 200 within {timeout:.0f} s",
+                    f"vLLM did not answer {server.url}/health after {now - start:.0f} s of start-up, "
+                    f"{why} (log {server.log_path}):\n{log_tail(server.log_path)}",
+                    reason=f"/health did not answer 200 after {now - start:.0f} s, {why}",
                 )
             time.sleep(HEALTH_POLL_S)
+
+
+def _log_size(path: Path | None) -> int:
+    try:
+        return os.stat(path).st_size if path is not None else 0
+    except OSError:
+        return 0
 
 
 def start_detached(argv: list[str]) -> subprocess.Popen:

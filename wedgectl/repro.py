@@ -412,7 +412,7 @@ def start_repro_server(
         server = launch(server_command(spec, py, log_path))
         progress(f"server pid {server.pid} launched; not waiting for /health")
         return server, log_path
-    server = start_server(spec, py, log_path, health_timeout=cfg.health_timeout_s)
+    server = start_server(spec, py, log_path, health_timeout=cfg.health_timeout_s, progress=progress)
     progress(f"server pid {server.pid} healthy at {server.url} after {time.monotonic() - t0:.0f} s")
     return server, log_path
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,13 +112,15 @@ def start_server(
     python: str | os.PathLike[str],
     log_path: str | os.PathLike[str],
     health_timeout: float = 180,
+    progress: Callable[[str], None] | None = None,
 ) -> Server:
     """Launch vLLM and return once GET /health answers 200.
 
     Raises lifecycle.ServerStartError (after tearing the tree down) if the
-    process exits first or /health stays silent for `health_timeout` seconds.
+    process exits first or its log stays silent for `health_timeout` seconds
+    (see lifecycle.wait_healthy); `progress` hears every 30 s how it goes.
     """
-    return start_command(server_command(spec, python, log_path), health_timeout)
+    return start_command(server_command(spec, python, log_path), health_timeout, progress)
 
 
 def running_server(
