@@ -141,8 +141,9 @@ def test_a_pyspy_that_never_ends_after_its_kill_is_not_waited_for():
         t0 = time.monotonic()
         with pytest.raises(subprocess.TimeoutExpired):
             run_bounded(["py-spy"], timeout=0.3, popen=lambda *a, **k: _Unending(stand_in))
-        assert time.monotonic() - t0 < 0.3 + TOOL_KILL_WAIT_S + 1.0
-        assert stand_in.wait(timeout=5) == -signal.SIGKILL
+        # Bounded, where an unbounded wait would never return; the slack is for a loaded host.
+        assert time.monotonic() - t0 < 0.3 + TOOL_KILL_WAIT_S + 10.0
+        assert stand_in.wait(timeout=30) == -signal.SIGKILL
     finally:
         if stand_in.poll() is None:
             stand_in.kill()
@@ -156,7 +157,7 @@ def test_a_pyspy_past_its_timeout_is_killed_and_reported(monkeypatch, tmp_path):
     monkeypatch.setattr(pyspy, "find_pyspy", lambda: str(slow))
     t0 = time.monotonic()
     dump = pyspy.dump_stacks(os.getpid(), timeout=0.5)
-    assert time.monotonic() - t0 < 0.5 + TOOL_KILL_WAIT_S + 1.5
+    assert time.monotonic() - t0 < 0.5 + TOOL_KILL_WAIT_S + 10.0  # not the 30 s its children would take
     assert dump.error is not None and dump.error.startswith(FailureKind.TIMEOUT.value)
 
 

@@ -12,7 +12,7 @@ import pytest
 from wedgectl.collect import procfs, pyspy, scrape
 from wedgectl.collect.processes import classify_role
 from wedgectl.collect import sockets
-from wedgectl.collect.sockets import TcpTables, format_address, parse_proc_net_tcp, sockets_from_tables
+from wedgectl.collect.sockets import TcpTables, format_address, sockets_from_tables
 from wedgectl.types import FailureKind, FutexWaiters, Role, StackDump, ThreadSample
 
 # --- recorded /proc text (x86_64, kernel 6.18) --------------------------------
@@ -261,11 +261,17 @@ NET_TCP6 = """\
 """
 
 
-def test_parse_proc_net_tcp() -> None:
-    v4 = parse_proc_net_tcp(NET_TCP)
-    assert [(e.local, e.state, e.inode) for e in v4] == [("0.0.0.0:8000", 0x0A, 45657), ("127.0.0.1:8000", 0x01, 45681)]
-    v6 = parse_proc_net_tcp(NET_TCP6)
-    assert [e.local for e in v6] == ["[::1]:8001", "127.0.0.1:8002"]
+def test_tcp_tables_decode_v4_and_v6(tmp_path: Path) -> None:
+    (tmp_path / "7" / "net").mkdir(parents=True)
+    (tmp_path / "7" / "net" / "tcp").write_text(NET_TCP)
+    (tmp_path / "7" / "net" / "tcp6").write_text(NET_TCP6)
+    (tmp_path / "7" / "fd").mkdir()
+    for fd, inode in enumerate((45657, 45681, 5001, 5002)):
+        (tmp_path / "7" / "fd" / str(fd)).symlink_to(f"socket:[{inode}]")
+    rows = TcpTables(tmp_path).of(7)
+    assert sorted(local for _state, local, _remote in rows) == [
+        "0.0.0.0:8000", "127.0.0.1:8000", "127.0.0.1:8002", "[::1]:8001"]  # v4-mapped v6 reads as v4
+    assert TcpTables(tmp_path).listening_on(7, 8001) == ("[::1]:8001",)
     assert format_address("::", 80) == "[::]:80"
 
 
@@ -292,10 +298,10 @@ def test_listening_of_falls_back_to_the_port_in_the_cmdline(tmp_path: Path, monk
     """Without CAP_SYS_PTRACE the fds are unreadable: the LISTEN rows on the port the cmdline names."""
     _net_tree(tmp_path, 4101, {})
 
-    def refused(pid: int, proc_root: Path = tmp_path) -> tuple[tuple[str, ...], int]:
-        raise PermissionError(13, "Permission denied")
+    def refused(pid: int, proc_root: Path = procfs.PROC) -> list[str]:
+        raise PermissionError(13, "Permission denied")  # as reading /proc/PID/fd without CAP_SYS_PTRACE
 
-    monkeypatch.setattr(sockets, "sockets_from_procfs", refused)
+    monkeypatch.setattr(procfs, "fd_links", refused)
     assert sockets.listening_of(4101, tmp_path) == ("0.0.0.0:8000",)
 
 

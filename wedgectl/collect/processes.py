@@ -14,7 +14,7 @@ import psutil
 from wedgectl.collect import procfs, procread
 from wedgectl.collect._failures import failure_from_oserror, permission_hint
 from wedgectl.collect.sockets import (
-    TcpTables, listening_of, own_tcp_addresses, sockets_from_procfs, sockets_from_psutil, sockets_from_tables,
+    TcpTables, listening_of, own_tcp_addresses, sockets_from_tables,
 )
 from wedgectl.redact import redact_argv
 from wedgectl.types import CollectorFailure, FailureKind, ProcessSample, Role
@@ -418,22 +418,13 @@ def sample_process(
         links: list[str] | None = procfs.fd_links(pid, proc_root)  # read once: sockets and devices
     except OSError:
         links = None
+    if tables is None:  # a lone process: a table of its own, and wedgectl's sockets read before its
+        lone = TcpTables(proc_root)
+        tables = (lone, own_tcp_addresses(lone))
     try:
-        if tables is not None:  # a sample of several processes: the TCP table read once, ours with it
-            listening, connections = sockets_from_tables(pid, *tables, links=links)
-        else:
-            listening, connections = sockets_from_psutil(proc)
-    except (psutil.Error, OSError) as exc:
-        try:
-            listening, connections = sockets_from_procfs(pid, proc_root)
-        except (OSError, ValueError) as exc2:
-            failures.append(_psutil_failure(exc, pid, "net_connections"))
-            if not isinstance(exc2, PermissionError):
-                failures.append(
-                    failure_from_oserror(COLLECTOR, exc2, str(pid), "/proc/PID/net/tcp fallback", pid)
-                    if isinstance(exc2, OSError)
-                    else CollectorFailure(COLLECTOR, FailureKind.BAD_DATA, f"/proc/net/tcp: {exc2}", str(pid))
-                )
+        listening, connections = sockets_from_tables(pid, *tables, links=links)
+    except OSError as exc:  # its fds unreadable (no CAP_SYS_PTRACE over it), or it exited
+        failures.append(_psutil_failure(exc, pid, "sockets"))
 
     threads: tuple = ()
     if with_threads:

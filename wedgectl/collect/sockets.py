@@ -1,4 +1,5 @@
-"""A process's sockets: LISTEN addresses and established connections, from psutil or /proc/PID/net.
+"""A process's sockets: LISTEN addresses and established connections, from /proc/PID/net/tcp[6]
+and the inodes of its socket fds.
 
 wedgectl's own connections to the target (its /metrics and /health requests)
 are told apart, so they never count as the target's clients.
@@ -8,22 +9,9 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
 from wedgectl.collect import procfs, procread
-
-
-@dataclass(frozen=True)
-class SocketEntry:
-    """One row of /proc/PID/net/tcp[6]."""
-
-    local: str  # "127.0.0.1:8000" or "[::1]:8000"
-    state: int  # kernel TCP state: 0x0A LISTEN, 0x01 ESTABLISHED
-    inode: int
-
 
 TCP_ESTABLISHED = 0x01
 TCP_LISTEN = 0x0A
@@ -44,18 +32,6 @@ def _hex_ip(hexaddr: str) -> str:
     return str(addr)
 
 
-def parse_proc_net_tcp(text: str) -> list[SocketEntry]:
-    """Parse /proc/net/tcp or tcp6 (the header line is skipped)."""
-    entries = []
-    for line in text.splitlines()[1:]:
-        f = line.split()
-        if len(f) < 10:
-            continue
-        ip_hex, port_hex = f[1].rsplit(":", 1)
-        entries.append(SocketEntry(format_address(_hex_ip(ip_hex), int(port_hex, 16)), int(f[3], 16), int(f[9])))
-    return entries
-
-
 def socket_inodes(pid: int, proc_root: Path = procfs.PROC, links: list[str] | None = None) -> set[int]:
     """Inodes of the sockets ``pid`` holds open (readlink /proc/PID/fd/* -> 'socket:[N]'; `links`:
     its procfs.fd_links, if read). PermissionError (no CAP_SYS_PTRACE over the target)
@@ -65,47 +41,19 @@ def socket_inodes(pid: int, proc_root: Path = procfs.PROC, links: list[str] | No
     return {int(link[8:-1]) for link in links if link.startswith("socket:[") and link[8:-1].isdigit()}
 
 
-def sockets_from_procfs(pid: int, proc_root: Path = procfs.PROC) -> tuple[tuple[str, ...], int]:
-    """(listening addresses, established count) from /proc/PID/net/tcp* and fd inodes."""
-    mine = socket_inodes(pid, proc_root)
-    listening: set[str] = set()
-    established = 0
-    for name in ("tcp", "tcp6"):
-        try:
-            text = (proc_root / str(pid) / "net" / name).read_text()
-        except FileNotFoundError:
-            continue  # no IPv6
-        for e in parse_proc_net_tcp(text):
-            if e.inode in mine:
-                if e.state == TCP_LISTEN:
-                    listening.add(e.local)
-                elif e.state == TCP_ESTABLISHED:
-                    established += 1
-    return tuple(sorted(listening)), established
-
-
 def listening_of(pid: int, proc_root: Path = procfs.PROC) -> tuple[str, ...]:
     """The API server's LISTEN addresses: from its own socket fds, or, where those are not
     readable (no CAP_SYS_PTRACE), the LISTEN sockets of the netns on the port its cmdline names."""
+    tables = TcpTables(proc_root)
     try:
-        listening, _ = sockets_from_procfs(pid, proc_root)
-        return listening
+        return tuple(sorted({local for state, local, _ in tables.of(pid) if state == TCP_LISTEN}))
     except OSError:
         pass
     try:
         port = port_from_cmdline(procread.read_cmdline(pid, proc_root))
+        return tables.listening_on(pid, port)
     except OSError:
         return ()
-    found = []
-    for name in ("tcp", "tcp6"):
-        try:
-            text = (proc_root / str(pid) / "net" / name).read_text()
-        except OSError:
-            continue
-        for e in parse_proc_net_tcp(text):
-            if e.state == TCP_LISTEN and e.local.rsplit(":", 1)[-1] == str(port):
-                found.append(e.local)
-    return tuple(sorted(found))
 
 
 def port_from_cmdline(cmdline: list[str]) -> int:
@@ -169,6 +117,16 @@ class TcpTables:
         return out
 
 
+    def listening_on(self, pid: int, port: int) -> tuple[str, ...]:
+        """Every LISTEN address on `port` in pid's network namespace, whoever holds it."""
+        found = set()
+        for state, local, _remote in self._table(pid).values():
+            if state == TCP_LISTEN and local.endswith(f":{port:04X}"):
+                lip, lport = local.rsplit(":", 1)
+                found.add(format_address(_hex_ip(lip), int(lport, 16)))
+        return tuple(sorted(found))
+
+
 def own_tcp_addresses(tables: TcpTables) -> frozenset[tuple[str, int]]:
     """wedgectl's own local TCP addresses (its scrape and /health connections), read through `tables`."""
     try:
@@ -184,36 +142,15 @@ def own_tcp_addresses(tables: TcpTables) -> frozenset[tuple[str, int]]:
 
 def sockets_from_tables(pid: int, tables: TcpTables, ours: frozenset[tuple[str, int]],
                         links: list[str] | None = None) -> tuple[tuple[str, ...], int]:
-    """(listening addresses, established connections not made by wedgectl itself): `ours` are
-    wedgectl's own addresses, read before the process's (see sockets_from_psutil for why)."""
+    """(listening addresses, established connections not made by wedgectl itself). Our own /metrics
+    and /health requests run beside this read; counted, they would pass for clients (a leaked-capacity
+    count compares clients with requests). `ours` are wedgectl's own addresses (own_tcp_addresses),
+    read before the process's: one of ours opened after that read can only be counted as a client,
+    which hides a leak, never makes one."""
     listening, established = set(), 0
     for state, local, remote in tables.of(pid, links):
         if state == TCP_LISTEN:
             listening.add(local)
         elif state == TCP_ESTABLISHED and remote not in ours:
             established += 1
-    return tuple(sorted(listening)), established
-
-
-def own_addresses() -> set[tuple[str, int]]:
-    """This process's own socket addresses: wedgectl's scrape and /health connections to the target."""
-    try:
-        return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="tcp") if c.laddr}
-    except (psutil.Error, OSError):
-        return set()
-
-
-def sockets_from_psutil(proc: psutil.Process, own: frozenset[tuple[str, int]] | None = None) -> tuple[tuple[str, ...], int]:
-    """(listening addresses, established connections not made by wedgectl itself). Our own /metrics
-    and /health requests run beside this read; counted, they would pass for clients (a leaked-capacity
-    count compares clients with requests). Ours are read before and after, so one open across the
-    read is seen; a caller sampling several processes reads them once for all (`own`), each read
-    being the host's whole TCP table. One of ours opened after that read can only be counted as a
-    client: that hides a leak, never makes one."""
-    before = own_addresses() if own is None else own
-    conns = proc.net_connections(kind="tcp")
-    ours = before | (own_addresses() if own is None else set())
-    listening = {format_address(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
-    established = sum(1 for c in conns if c.status == psutil.CONN_ESTABLISHED
-                      and not (c.raddr and (c.raddr.ip, c.raddr.port) in ours))
     return tuple(sorted(listening)), established

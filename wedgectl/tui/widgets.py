@@ -91,19 +91,20 @@ class CounterPanel(Vertical):
 
     counters: reactive[tuple[CounterRow, ...]] = reactive(())
 
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._lines: dict[str, CounterLine] = {}  # by key: a DOM query per counter per refresh costs more
+
     def watch_counters(self, counters: Sequence[CounterRow]) -> None:
         for row in counters:
-            matches = self.query(f"#counter-{row.key}")
-            if matches:
-                line = matches.first(CounterLine)
-            else:
-                line = CounterLine(row.key, row.label)
+            line = self._lines.get(row.key)
+            if line is None:
+                line = self._lines[row.key] = CounterLine(row.key, row.label)
                 self.mount(line)
             line.row = row
         keys = {r.key for r in counters}
-        for line in self.query(CounterLine):
-            if line.id and line.id.removeprefix("counter-") not in keys:
-                line.remove()
+        for key in [k for k in self._lines if k not in keys]:
+            self._lines.pop(key).remove()
 
 
 class _KeyedTable(DataTable):
