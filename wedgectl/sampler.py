@@ -18,8 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 
 from wedgectl import __version__
-from wedgectl.classify import Facts, classify
-from wedgectl.collect import processes, pyspy
+from wedgectl.classify import Facts, classify, classify_facts
+from wedgectl.collect import processes, procfs, pyspy
 from wedgectl.collect.scrape import Scraper
 from wedgectl.discover import Deployment, discover, tree_roles
 from wedgectl.errors import BadMetrics, NoSuchProcess, Unreachable, WedgectlError
@@ -91,8 +91,47 @@ def lower_priority(nice: int = NICE) -> list[str]:
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "arm64": 30, "ppc64le": 273, "s390x": 282, "riscv64": 30}
 
 
-def _collect_processes(dep: Deployment) -> tuple[tuple[ProcessSample, ...], list[CollectorFailure]]:
-    return processes.sample_roles(tree_roles(dep.root_pid) if dep.root_pid is not None else {})
+class TreeCache:
+    """A deployment's processes and their roles, walked again only every `ttl_s` seconds, or at
+    once when one of them has gone (exited, or its pid now another process's).
+
+    The walk lists every process on the host (to find children) and reads each one's cmdline:
+    the costliest part of a sample on a host with many processes, for an answer that changes
+    when a process starts or exits. `top`, sampling every second for hours, keeps one; a
+    diagnose capture walks at every sample (its samples are few, and a start-up adds processes
+    between them)."""
+
+    def __init__(self, ttl_s: float = 5.0) -> None:
+        self.ttl_s = ttl_s
+        self._root: int | None = None
+        self._roles: dict[int, Role] = {}
+        self._starts: dict[int, int | None] = {}
+        self._at = float("-inf")
+        self.walks = 0
+
+    def roles(self, root_pid: int) -> dict[int, Role]:
+        now = time.monotonic()
+        if root_pid != self._root or now - self._at >= self.ttl_s or not self._intact():
+            self._roles = tree_roles(root_pid)
+            self._starts = {pid: _start_ticks(pid) for pid in self._roles}
+            self._root, self._at = root_pid, now
+            self.walks += 1
+        return dict(self._roles)
+
+    def _intact(self) -> bool:
+        return all(_start_ticks(pid) == start for pid, start in self._starts.items())
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time; None once it has exited (a zombie has, too)."""
+    stat, _ = procfs.read_process_stat(pid)
+    return None if stat is None or stat.state in ("Z", "X") else stat.starttime_ticks
+
+
+def _collect_processes(dep: Deployment, tree: TreeCache | None = None) -> tuple[tuple[ProcessSample, ...], list[CollectorFailure]]:
+    if dep.root_pid is None:
+        return processes.sample_roles({})
+    return processes.sample_roles(tree.roles(dep.root_pid) if tree is not None else tree_roles(dep.root_pid))
 
 
 def _dump_burst(pid: int, native: bool, repeats: int) -> list[StackDump]:
@@ -128,14 +167,14 @@ def _collect_stacks(procs: tuple[ProcessSample, ...], native: bool, burst: int =
 
 
 def take_sample(dep: Deployment, with_stacks: bool, options: SamplerOptions, burst: int = 1,
-                scraper: Scraper | None = None) -> Sample:
+                scraper: Scraper | None = None, tree: TreeCache | None = None) -> Sample:
     """One Sample; collectors run side by side so a slow one does not skew the others' clock.
     ``scraper``: the run's HTTP client (one per diagnose or top session); without one, a
     client is built for this sample."""
     if scraper is None:
         with Scraper(options.scrape_timeout_s) as own:
-            return take_sample(dep, with_stacks, options, burst, own)
-    return _begin(dep, scraper, options, burst if with_stacks else 0).sample(dep)
+            return take_sample(dep, with_stacks, options, burst, own, tree)
+    return _begin(dep, scraper, options, burst if with_stacks else 0, tree=tree).sample(dep)
 
 
 def _background(jobs: dict[str, Callable[[], object]]) -> Future:
@@ -327,7 +366,7 @@ class _Pending:
 
 
 def _begin(dep: Deployment, scraper: Scraper, options: SamplerOptions, burst: int,
-           early: tuple[Future, int] | None = None) -> _Pending:
+           early: tuple[Future, int] | None = None, tree: TreeCache | None = None) -> _Pending:
     """Start one sample: /proc now (its instant is the sample's time), then the scrape and the
     stack dumps in the background, so a slow server or py-spy does not hold the sampling clock."""
     t = time.time()
@@ -339,7 +378,7 @@ def _begin(dep: Deployment, scraper: Scraper, options: SamplerOptions, burst: in
     procs: tuple[ProcessSample, ...] = ()
     failures: list[CollectorFailure] = []
     if dep.root_pid is not None:
-        procs, failures = _collect_processes(dep)
+        procs, failures = _collect_processes(dep, tree)
         if early is not None:  # a burst begun as soon as it was asked for: this sample carries it
             future, burst = early
             jobs["stacks"] = lambda: future.result()["stacks"]
@@ -411,11 +450,12 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
                 break
             judged.append(judged_sample(sample))
             judged_bundle = Bundle(manifest, tuple(judged), decide_log)
-            verdict = classify(judged_bundle)
+            facts = Facts(judged_bundle)  # one reading for the verdict and the escalation both
+            verdict = classify_facts(facts)
             if options.progress:  # the lean copy: classify has just parsed it (parse_metrics caches by text)
                 say(f"sample {len(samples)} at {elapsed:4.1f}s: {_summarise(judged[-1])} -> "
                     f"{verdict.verdict.value} ({verdict.confidence:.2f})")
-            suspect = len(samples) == 1 and hang_shaped(Facts(judged_bundle))
+            suspect = len(samples) == 1 and hang_shaped(facts)
             step = next_step(verdict, len(samples), elapsed, options, burst_taken, probes.started, suspect)
             if step.why:
                 say(step.why)

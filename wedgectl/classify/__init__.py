@@ -22,7 +22,11 @@ from wedgectl.types import Bundle, Evidence, Verdict, VerdictKind
 
 def classify(bundle: Bundle) -> Verdict:
     """The verdict for a bundle: the first live rule that holds, else the first log rule."""
-    facts = Facts(bundle)
+    return classify_facts(Facts(bundle))
+
+
+def classify_facts(facts: Facts) -> Verdict:
+    """classify, for a caller that reads the same Facts too (their cached values are shared)."""
     if facts.is_live:
         for rule in LIVE_RULES:
             verdict = rule(facts)
@@ -76,4 +80,4 @@ def _inconclusive(f: Facts) -> Verdict:
                    "inconclusive", tuple(ev), tuple(advice))
 
 
-__all__ = ["Facts", "Rule", "Series", "classify", "LIVE_RULES", "LOG_RULES", "slope_per_s", "unix_to_logtime"]
+__all__ = ["Facts", "Rule", "Series", "classify", "classify_facts", "LIVE_RULES", "LOG_RULES", "slope_per_s", "unix_to_logtime"]

@@ -16,7 +16,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
 from textual.message import Message
-from textual.reactive import reactive
+from textual.reactive import reactive, var
 from textual.screen import ModalScreen, Screen
 from textual.widgets import DataTable, Footer, Label, Static
 
@@ -205,9 +205,11 @@ class TopApp(App):
         Binding("q", "quit", "quit"),
     ]
 
-    frame: reactive[model.Frame | None] = reactive(None)
-    selected_pid: reactive[int | None] = reactive(None)
-    selected_tid: reactive[int | None] = reactive(None)
+    # var, not reactive: a change is drawn by the watchers into the widgets it touches; an App
+    # reactive would also repaint the whole screen, every refresh (most of top's CPU).
+    frame: reactive[model.Frame | None] = var(None)
+    selected_pid: reactive[int | None] = var(None)
+    selected_tid: reactive[int | None] = var(None)
 
     def __init__(self, source: LiveSource | BundleSource | None, refresh_s: float = DEFAULT_REFRESH_S,
                  stacks_every: int = 5, save_dir: Path = Path("."), quit_after_s: float | None = None) -> None:

@@ -27,7 +27,7 @@ from wedgectl.discover import Deployment, base_url_from_listening, discover
 from wedgectl.errors import WedgectlError
 from wedgectl.redact import redact_text, redact_url
 from wedgectl.collect.scrape import Scraper
-from wedgectl.sampler import SamplerOptions, take_sample
+from wedgectl.sampler import SamplerOptions, TreeCache, take_sample
 from wedgectl.sources import host_facts, read_log_lines
 from wedgectl.tui.model import Frame, ScrapedSample, build_frame, describe_target
 from wedgectl.types import Bundle, Manifest, Sample, Target
@@ -52,6 +52,7 @@ class LiveSource:
         self.url = url
         self.options = options
         self.scraper = Scraper(options.scrape_timeout_s)  # one client for the session: a new one per scrape cost most of top's CPU
+        self.tree = TreeCache()  # the process tree walked every few seconds, not every refresh
         self._manifest = Manifest(
             created=time.time(),
             wedgectl_version=__version__,
@@ -77,7 +78,8 @@ class LiveSource:
     def take(self, with_stacks: bool, native: bool = False) -> Sample:
         if self.deployment.metrics_url is None and self.pid is not None:
             self._rediscover()  # the API server was not listening yet
-        return take_sample(self.deployment, with_stacks, replace(self.options, native=native), scraper=self.scraper)
+        return take_sample(self.deployment, with_stacks, replace(self.options, native=native), scraper=self.scraper,
+                           tree=self.tree)
 
     def close(self) -> None:
         self.scraper.close()

@@ -1,4 +1,7 @@
-"""The widgets of `wedgectl top`: each holds one reactive value and redraws in its watch_ method."""
+"""The widgets of `wedgectl top`: each holds one value and redraws in its watch_ method.
+
+The values are `var`s: the watcher redraws what changed (Static.update, DataTable.update_cell),
+where a `reactive` would repaint the widget (a container: everything in it) once more."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from collections.abc import Sequence
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
-from textual.reactive import reactive
+from textual.reactive import reactive, var
 from textual.widget import Widget
 from textual.widgets import DataTable, Label, Static
 
@@ -24,7 +27,7 @@ FUTEX_COLOURS = ("yellow", "magenta", "cyan", "green", "bright_red", "bright_blu
 class VerdictBanner(Static):
     """The live classifier's verdict, confidence and one-line reason."""
 
-    verdict: reactive[Verdict | None] = reactive(None)
+    verdict: reactive[Verdict | None] = var(None)
 
     def watch_verdict(self, verdict: Verdict | None) -> None:
         self.remove_class("-healthy", "-hang", "-unsure")
@@ -42,7 +45,7 @@ class VerdictBanner(Static):
 class StatusLine(Static):
     """Target, freshness and what could not be reached."""
 
-    status: reactive[tuple[str, bool]] = reactive(("", True))
+    status: reactive[tuple[str, bool]] = var(("", True))
 
     def watch_status(self, status: tuple[str, bool]) -> None:
         text, reachable = status
@@ -63,7 +66,7 @@ class SparkText(Widget):
 class CounterLine(Horizontal):
     """A counter's name, its sparkline over the window, and its latest value."""
 
-    row: reactive[CounterRow | None] = reactive(None)
+    row: reactive[CounterRow | None] = var(None)
 
     def __init__(self, key: str, label: str) -> None:
         super().__init__(id=f"counter-{key}", classes="counter")
@@ -89,7 +92,7 @@ class CounterLine(Horizontal):
 class CounterPanel(Vertical):
     """One CounterLine per counter; lines appear as the counters do (the heartbeat's only when the engine has it)."""
 
-    counters: reactive[tuple[CounterRow, ...]] = reactive(())
+    counters: reactive[tuple[CounterRow, ...]] = var(())
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -143,7 +146,7 @@ class ProcessTable(_KeyedTable):
     """The deployment's processes: role, state, CPU %."""
 
     COLUMNS = ("PID", "ROLE", "RANK", "S", "CPU%", "THR", "RSS MB", "NAME")
-    entries: reactive[tuple[ProcessRow, ...]] = reactive((), init=False)
+    entries: reactive[tuple[ProcessRow, ...]] = var((), init=False)
     selected: int | None = None
 
     def watch_entries(self, rows: Sequence[ProcessRow]) -> None:
@@ -158,7 +161,7 @@ class ThreadTable(_KeyedTable):
     """The selected process's threads; threads waiting on one futex share a colour."""
 
     COLUMNS = ("TID", "COMM", "S", "CPU%", "WCHAN", "SYSCALL", "FUTEX", "SHARE")
-    entries: reactive[tuple[ThreadRow, ...]] = reactive((), init=False)
+    entries: reactive[tuple[ThreadRow, ...]] = var((), init=False)
     selected: int | None = None
 
     def watch_entries(self, rows: Sequence[ThreadRow]) -> None:
@@ -178,20 +181,22 @@ class ThreadTable(_KeyedTable):
 class StackView(Static):
     """The selected thread's Python stack, innermost frame first."""
 
-    lines: reactive[tuple[str, ...]] = reactive(())
+    lines: reactive[tuple[str, ...]] = var(())
+    _height = -1
 
     def watch_lines(self, lines: Sequence[str]) -> None:
-        self.update(Text("\n".join(lines)))
+        self._height = _update_sized(self, Text("\n".join(lines)), self._height)
 
 
 class EvidenceView(Static):
     """What the verdict rests on, and what to do next."""
 
-    verdict: reactive[Verdict | None] = reactive(None)
+    verdict: reactive[Verdict | None] = var(None)
+    _height = -1
 
     def watch_verdict(self, verdict: Verdict | None) -> None:
         if verdict is None:
-            self.update("")
+            self._height = _update_sized(self, Text(), self._height)
             return
         out = Text()
         for e in verdict.evidence:
@@ -200,7 +205,17 @@ class EvidenceView(Static):
         for a in verdict.advice[:2]:
             out.append("next: ", "bold green")
             out.append(a + "\n")
-        self.update(out)
+        self._height = _update_sized(self, out, self._height)
+
+
+def _update_sized(widget: Static, text: Text, height: int) -> int:
+    """Update a Static whose height follows its text: the screen is laid out again only when the
+    text's height at the widget's width changed (a layout pass renders the whole screen; a
+    repaint only the widget). Returns the new height (-1 before the widget has a width)."""
+    width = widget.content_region.width
+    lines = len(text.wrap(widget.app.console, width)) if width > 0 else -1
+    widget.update(text, layout=lines < 0 or lines != height)
+    return lines
 
 
 def _same(a: object, b: object) -> bool:
