@@ -364,3 +364,32 @@ async def test_a_failed_swap_is_shown_and_top_keeps_watching(monkeypatch):
         await until(pilot, lambda: any(m.startswith("swap failed: rolled back") for m in notes_of(app)))
         n = app.frame.n_samples
         await until(pilot, lambda: app.frame.n_samples > n)
+
+
+@pytest.mark.asyncio
+async def test_a_refresh_draws_only_the_rows_that_changed(monkeypatch):
+    """RowTable caches each row's line by its cells: one changed CPU figure redraws one row, where
+    a DataTable drew every visible cell again (most of top's CPU at 1 Hz)."""
+    from textual.app import App
+
+    from wedgectl.tui import widgets
+
+    class One(App):
+        def compose(self):
+            yield ThreadTable(id="t")
+
+    rows = [(str(tid), (tid, "python", "S", "0", "futex_wait_queue", "futex", "", "")) for tid in range(100, 120)]
+    app = One()
+    async with app.run_test(size=(100, 30)) as pilot:
+        table = app.query_one(ThreadTable)
+        table.set_rows(rows, None)
+        await pilot.pause(0.1)
+        drawn: list[tuple] = []
+        real = widgets.RowTable._line
+        monkeypatch.setattr(widgets.RowTable, "_line", lambda self, cells, style: drawn.append(cells) or real(self, cells, style))
+        changed = list(rows)
+        changed[5] = ("105", (105, "python", "R", "97", "", "running", "", ""))
+        table.set_rows(changed, None)
+        await pilot.pause(0.1)
+        assert [str(c[0]) for c in drawn if c and str(c[0]) != "TID"] == ["105"]
+        assert [str(c) for c in table.get_row_at(5)][3] == "97"

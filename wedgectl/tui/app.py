@@ -37,6 +37,7 @@ from wedgectl.tui.widgets import (
     CounterPanel,
     EvidenceView,
     ProcessTable,
+    RowTable,
     StackView,
     StatusLine,
     ThreadTable,
@@ -400,14 +401,12 @@ class TopApp(App):
     def watch_selected_tid(self, tid: int | None) -> None:
         self._draw_stack()
 
-    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
-        key = event.row_key.value
-        if key is None:
-            return
-        if isinstance(event.data_table, ProcessTable) and int(key) != self.selected_pid:
-            self.selected_pid = int(key)
-        elif isinstance(event.data_table, ThreadTable) and int(key) != self.selected_tid:
-            self.selected_tid = int(key)
+    def on_row_table_highlighted(self, event: RowTable.Highlighted) -> None:
+        key = int(event.key)
+        if isinstance(event.table, ProcessTable) and key != self.selected_pid:
+            self.selected_pid = key
+        elif isinstance(event.table, ThreadTable) and key != self.selected_tid:
+            self.selected_tid = key
 
     # ------------------------------------------------------------- keys
 

@@ -1,18 +1,26 @@
 """The widgets of `wedgectl top`: each holds one value and redraws in its watch_ method.
 
-The values are `var`s: the watcher redraws what changed (Static.update, DataTable.update_cell),
+The values are `var`s: the watcher redraws what changed (Static.update, RowTable.set_rows),
 where a `reactive` would repaint the widget (a container: everything in it) once more."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+from rich.style import Style
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.geometry import Size
+from textual.message import Message
 from textual.reactive import reactive, var
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
 from textual.widget import Widget
-from textual.widgets import DataTable, Label, Static
+from textual.widgets import Label, Static
 
 from wedgectl.tui.model import CounterRow, ProcessRow, ThreadRow, spark_text
 from wedgectl.types import Verdict, VerdictKind
@@ -110,42 +118,160 @@ class CounterPanel(Vertical):
             self._lines.pop(key).remove()
 
 
-class _KeyedTable(DataTable):
-    """A DataTable fed whole rows each refresh that keeps the cursor on the same key.
+class RowTable(ScrollView, can_focus=True):
+    """A table fed whole rows each refresh, drawn a line at a time (Textual's line API).
 
-    When the rows are the same keys in the same order (the usual refresh: numbers change,
-    threads do not come and go) only the changed cells are updated; a rebuild would make
-    Textual lay the whole screen out again.
+    DataTable renders every visible cell again whenever any cell changes (one update bumps the
+    whole table's cache key); a refresh of top changes some CPU figure every second, so that was
+    most of top's drawing. Here each row is one Strip, cached by its cells: a refresh draws only
+    the rows whose cells changed. The cursor stays on the same key across refreshes; moving it
+    posts RowTable.Highlighted.
     """
 
+    BINDINGS = [
+        Binding("up", "cursor(-1)", "up", show=False),
+        Binding("down", "cursor(1)", "down", show=False),
+        Binding("pageup", "page(-1)", "page up", show=False),
+        Binding("pagedown", "page(1)", "page down", show=False),
+        Binding("home", "cursor(-1000000)", "first", show=False),
+        Binding("end", "cursor(1000000)", "last", show=False),
+    ]
     COLUMNS: tuple[str, ...] = ()
+    RIGHT: frozenset[int] = frozenset()  # columns aligned right (numbers)
+    GAP = 2
 
-    def on_mount(self) -> None:
-        self.cursor_type = "row"
-        self.column_keys = self.add_columns(*self.COLUMNS)
+    class Highlighted(Message):
+        """The cursor moved to the row `key`."""
+
+        def __init__(self, table: RowTable, key: str) -> None:
+            super().__init__()
+            self.table = table
+            self.key = key
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._keys: list[str] = []
+        self._rows: list[tuple[Text, ...]] = []
+        self._widths: tuple[int, ...] = tuple(len(c) for c in self.COLUMNS)
+        self._strips: dict[tuple[object, ...], Strip] = {}
+        self.cursor_row = 0
+
+    # -- what the app and its tests read
+
+    @property
+    def row_count(self) -> int:
+        return len(self._rows)
+
+    def get_row_at(self, index: int) -> tuple[Text, ...]:
+        return self._rows[index]
+
+    @property
+    def cursor_key(self) -> str | None:
+        return self._keys[self.cursor_row] if 0 <= self.cursor_row < len(self._keys) else None
+
+    # -- feeding it
 
     def set_rows(self, rows: Sequence[tuple[str, Sequence[object]]], keep: str | None) -> None:
-        keys = [k for k, _ in rows]
-        if keys and keys == [r.key.value for r in self.ordered_rows]:
-            for key, new in rows:
-                old = self.get_row(key)
-                for col, (a, b) in enumerate(zip(old, new)):
-                    if not _same(a, b):
-                        self.update_cell(key, self.column_keys[col], b)
-        else:
-            self.clear()
-            for key, cells in rows:
-                self.add_row(*cells, key=key)
-        if keep is not None and keep in keys:
-            index = keys.index(keep)
-            if index != self.cursor_row:
-                self.move_cursor(row=index, animate=False)
+        before = self.cursor_key
+        self._keys = [k for k, _ in rows]
+        self._rows = [tuple(c if isinstance(c, Text) else Text(str(c)) for c in cells) for _, cells in rows]
+        widths = [len(c) for c in self.COLUMNS]
+        for cells in self._rows:
+            for i, c in enumerate(cells[: len(widths)]):
+                widths[i] = max(widths[i], c.cell_len)
+        self._widths = tuple(widths)
+        target = keep if keep in self._keys else before if before in self._keys else None
+        self.cursor_row = self._keys.index(target) if target is not None else min(self.cursor_row, max(0, len(self._keys) - 1))
+        self.virtual_size = Size(1 + sum(self._widths) + self.GAP * len(self._widths), len(self._rows) + 1)
+        live = {self._strip_key(i) for i in range(len(self._rows))}
+        self._strips = {k: v for k, v in self._strips.items() if k in live}
+        self._scroll_to_cursor()
+        self.refresh()
+        if self.cursor_key is not None and self.cursor_key != before:
+            self.post_message(self.Highlighted(self, self.cursor_key))
+
+    def move_cursor(self, row: int) -> None:
+        if not self._rows:
+            return
+        row = max(0, min(row, len(self._rows) - 1))
+        if row != self.cursor_row:
+            self.cursor_row = row
+            self._scroll_to_cursor()
+            self.refresh()
+            self.post_message(self.Highlighted(self, self._keys[row]))
+
+    def action_cursor(self, delta: int) -> None:
+        self.move_cursor(self.cursor_row + delta)
+
+    def action_page(self, direction: int) -> None:
+        self.move_cursor(self.cursor_row + direction * max(1, self.scrollable_content_region.height - 1))
+
+    def on_click(self, event: events.Click) -> None:
+        offset = event.get_content_offset(self)
+        if offset is not None and offset.y >= 1:
+            self.move_cursor(offset.y - 1 + int(self.scroll_offset.y))
+
+    def on_focus(self) -> None:
+        self.refresh()
+
+    def on_blur(self) -> None:
+        self.refresh()
+
+    def _scroll_to_cursor(self) -> None:
+        height = self.scrollable_content_region.height - 1  # below the header
+        if height <= 0:
+            return
+        top = int(self.scroll_offset.y)
+        if self.cursor_row < top:
+            self.scroll_to(y=self.cursor_row, animate=False)
+        elif self.cursor_row >= top + height:
+            self.scroll_to(y=self.cursor_row - height + 1, animate=False)
+
+    # -- drawing
+
+    def _strip_key(self, index: int) -> tuple[object, ...]:
+        cells = tuple((c.plain, str(c.style)) for c in self._rows[index])
+        return (cells, self._widths, index == self.cursor_row and self.has_focus, index == self.cursor_row)
+
+    def _line(self, cells: Sequence[Text], style: Style | None) -> Strip:
+        line = Text(" ", no_wrap=True, overflow="crop")  # a margin, as a DataTable cell's padding
+        for i, (cell, width) in enumerate(zip(cells, self._widths)):
+            pad = " " * (width - cell.cell_len)
+            if i in self.RIGHT:
+                line.append(pad)
+                line.append_text(cell)
+            else:
+                line.append_text(cell)
+                line.append(pad)
+            line.append(" " * self.GAP)
+        strip = Strip(line.render(self.app.console))
+        return strip.apply_style(style) if style is not None else strip
+
+    def render_line(self, y: int) -> Strip:
+        width = self.scrollable_content_region.width
+        x = int(self.scroll_offset.x)
+        base = self.rich_style
+        if y == 0:
+            header = self._line([Text(c, style="bold") for c in self.COLUMNS], None)
+            return header.crop_extend(x, x + width, base)
+        index = y - 1 + int(self.scroll_offset.y)
+        if index >= len(self._rows):
+            return Strip.blank(width, base)
+        key = self._strip_key(index)
+        strip = self._strips.get(key)
+        if strip is None:
+            style = None
+            if index == self.cursor_row:
+                style = Style(reverse=True) if self.has_focus else Style(bold=True, underline=True)
+            strip = self._strips[key] = self._line(self._rows[index], style)
+        return strip.crop_extend(x, x + width, base)
 
 
-class ProcessTable(_KeyedTable):
+class ProcessTable(RowTable):
     """The deployment's processes: role, state, CPU %."""
 
     COLUMNS = ("PID", "ROLE", "RANK", "S", "CPU%", "THR", "RSS MB", "NAME")
+    RIGHT = frozenset({0, 4, 5, 6})
     entries: reactive[tuple[ProcessRow, ...]] = var((), init=False)
     selected: int | None = None
 
@@ -157,10 +283,11 @@ class ProcessTable(_KeyedTable):
         )
 
 
-class ThreadTable(_KeyedTable):
+class ThreadTable(RowTable):
     """The selected process's threads; threads waiting on one futex share a colour."""
 
     COLUMNS = ("TID", "COMM", "S", "CPU%", "WCHAN", "SYSCALL", "FUTEX", "SHARE")
+    RIGHT = frozenset({0, 3})
     entries: reactive[tuple[ThreadRow, ...]] = var((), init=False)
     selected: int | None = None
 
@@ -216,13 +343,6 @@ def _update_sized(widget: Static, text: Text, height: int) -> int:
     lines = len(text.wrap(widget.app.console, width)) if width > 0 else -1
     widget.update(text, layout=lines < 0 or lines != height)
     return lines
-
-
-def _same(a: object, b: object) -> bool:
-    """Cell equality; rich's Text.__eq__ ignores the base style, which carries the futex colour."""
-    if isinstance(a, Text) and isinstance(b, Text):
-        return a.plain == b.plain and a.style == b.style
-    return a == b
 
 
 def _pct(v: float | None) -> str:
