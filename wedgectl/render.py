@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import json
 import textwrap
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from wedgectl.bundle import to_jsonable
 from wedgectl.redact import redact_argv, redact_obj, redact_text, redact_url
 from wedgectl.types import BackendStatus, ProbeRecord, ProbeResult, ThreadProbe, Verdict
+
+if TYPE_CHECKING:  # named in annotations only: importing them would pull in what the command does not use
+    from wedgectl.types import Bundle
+    from wedgectl.patched import PatchedResult
+    from wedgectl.repro import ReproConfig, ReproResult
+    from wedgectl.swap import SwapPlan, SwapResult
 
 WIDTH = 80
 
