@@ -99,7 +99,8 @@ class TreeCache:
     the costliest part of a sample on a host with many processes, for an answer that changes
     when a process starts or exits. `top`, sampling every second for hours, keeps one; a
     diagnose capture walks at every sample (its samples are few, and a start-up adds processes
-    between them)."""
+    between them). It also holds top's ThreadMemo: a thread that has not run since the last
+    refresh is not read again."""
 
     def __init__(self, ttl_s: float = 5.0) -> None:
         self.ttl_s = ttl_s
@@ -108,6 +109,7 @@ class TreeCache:
         self._starts: dict[int, int | None] = {}
         self._at = float("-inf")
         self.walks = 0
+        self.threads = procfs.ThreadMemo()  # and each thread's last sample, for one that has not run since
 
     def roles(self, root_pid: int) -> dict[int, Role]:
         now = time.monotonic()
@@ -131,7 +133,9 @@ def _start_ticks(pid: int) -> int | None:
 def _collect_processes(dep: Deployment, tree: TreeCache | None = None) -> tuple[tuple[ProcessSample, ...], list[CollectorFailure]]:
     if dep.root_pid is None:
         return processes.sample_roles({})
-    return processes.sample_roles(tree.roles(dep.root_pid) if tree is not None else tree_roles(dep.root_pid))
+    if tree is None:
+        return processes.sample_roles(tree_roles(dep.root_pid))
+    return processes.sample_roles(tree.roles(dep.root_pid), tree.threads)
 
 
 def _dump_burst(pid: int, native: bool, repeats: int) -> list[StackDump]:

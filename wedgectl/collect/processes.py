@@ -377,6 +377,7 @@ def sample_process(
     proc_root: Path = procfs.PROC,
     timeout: float = 2.0,
     tables: tuple[TcpTables, frozenset[tuple[str, int]]] | None = None,
+    threads_memo: procfs.ThreadMemo | None = None,
 ) -> tuple[ProcessSample, tuple[CollectorFailure, ...]]:
     """One ProcessSample: state, CPU, threads (procfs) and name, cmdline, RSS, sockets (psutil).
 
@@ -428,7 +429,7 @@ def sample_process(
 
     threads: tuple = ()
     if with_threads:
-        threads, thread_failures = procfs.read_threads(pid, proc_root, timeout=timeout)
+        threads, thread_failures = procfs.read_threads(pid, proc_root, timeout=timeout, unchanged=threads_memo)
         failures.extend(thread_failures)
 
     sample = ProcessSample(
@@ -459,15 +460,19 @@ def _create_time(proc: psutil.Process) -> float | None:
         return None
 
 
-def sample_roles(roles: dict[int, Role]) -> tuple[tuple[ProcessSample, ...], list[CollectorFailure]]:
-    """One sample of each live process in `roles` (pid -> role); zombies and the exited are left out."""
+def sample_roles(roles: dict[int, Role], threads_memo: procfs.ThreadMemo | None = None,
+                 ) -> tuple[tuple[ProcessSample, ...], list[CollectorFailure]]:
+    """One sample of each live process in `roles` (pid -> role); zombies and the exited are left out.
+    `threads_memo`: top's memo of threads that have not run since its last refresh (procfs.read_threads)."""
+    if threads_memo is not None:
+        threads_memo.forget_others(roles)
     failures: list[CollectorFailure] = []
     out = []
     tables = TcpTables()
     ours = own_tcp_addresses(tables) if roles else frozenset()
     for proc in (psutil.Process(p) for p in roles if psutil.pid_exists(p)):
         try:
-            sample, fails = sample_process(proc, roles[proc.pid], tables=(tables, ours))
+            sample, fails = sample_process(proc, roles[proc.pid], tables=(tables, ours), threads_memo=threads_memo)
         except psutil.Error:
             failures.append(CollectorFailure(COLLECTOR, FailureKind.GONE, "exited mid-capture", str(proc.pid)))
             continue

@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from wedgectl.collect._failures import failure_from_oserror, permission_hint
 from wedgectl.types import CollectorFailure, FailureKind, ThreadSample
@@ -297,14 +297,50 @@ def read_process_stat(
     )
 
 
+class ThreadMemo:
+    """Each thread's last sample, keyed by its schedstat at that read (see read_threads)."""
+
+    def __init__(self) -> None:
+        self._by: dict[int, dict[int, tuple[str, ThreadSample]]] = {}
+        self.hits = 0
+
+    def get(self, pid: int, tid: int, sched: str | None) -> ThreadSample | None:
+        got = self._by.get(pid, {}).get(tid)
+        if sched is None or got is None or got[0] != sched:
+            return None
+        self.hits += 1
+        return got[1]
+
+    def put(self, pid: int, tid: int, sched: str, sample: ThreadSample) -> None:
+        self._by.setdefault(pid, {})[tid] = (sched, sample)
+
+    def keep(self, pid: int, tids: Sequence[int]) -> None:
+        """Forget the threads of pid that are gone."""
+        live = set(tids)
+        mine = self._by.get(pid, {})
+        for tid in [t for t in mine if t not in live]:
+            del mine[tid]
+
+    def forget_others(self, pids: Iterable[int]) -> None:
+        keep = set(pids)
+        for pid in [p for p in self._by if p not in keep]:
+            del self._by[pid]
+
+
 def read_threads(
     pid: int,
     proc_root: Path = PROC,
     *,
     timeout: float = 2.0,
     machine: str | None = None,
+    unchanged: ThreadMemo | None = None,
 ) -> tuple[tuple[ThreadSample, ...], tuple[CollectorFailure, ...]]:
     """Every thread of ``pid`` from /proc/PID/task/*/{stat,wchan,syscall,status}.
+
+    With `unchanged` (top's memo across refreshes), a thread whose schedstat (time on a CPU,
+    time waiting for one, times scheduled) is what it was at the last read has not run since:
+    its last sample is reused, one read instead of four. One that was woken and still waits
+    for a CPU reads as it was until it runs.
 
     comm is taken from stat (the same 16-byte task->comm the comm file shows),
     saving one read per thread. A thread that exits mid-read is dropped and
@@ -336,6 +372,16 @@ def read_threads(
             break
         tdir = f"{task_dir}/{tid}/"  # a str: pathlib's joins cost more than the reads
         texts: dict[str, str | None] = {}
+        sched: str | None = None
+        if unchanged is not None:
+            try:
+                sched = _read_text(tdir + "schedstat")
+            except OSError:
+                sched = None  # no schedstat (or gone): read it whole below
+            hit = unchanged.get(pid, tid, sched)
+            if hit is not None:
+                threads.append(hit)
+                continue
         try:
             for name in ("stat", "wchan", "syscall", "status"):
                 try:
@@ -350,6 +396,8 @@ def read_threads(
                     tid, texts["stat"] or "", texts["wchan"], texts["syscall"], texts["status"], machine
                 )
             )
+            if unchanged is not None and sched is not None and not any(v is None for v in texts.values()):
+                unchanged.put(pid, tid, sched, threads[-1])
         except (FileNotFoundError, ProcessLookupError):
             gone.append(tid)
         except OSError as exc:
@@ -359,6 +407,8 @@ def read_threads(
                 CollectorFailure(COLLECTOR, FailureKind.BAD_DATA, f"/proc/{pid}/task/{tid}: {exc}", str(tid))
             )
 
+    if unchanged is not None:
+        unchanged.keep(pid, tids)
     if gone:
         what = "process exited mid-read" if not threads else f"{len(gone)} thread(s) exited mid-read: {gone[:20]}"
         failures.append(CollectorFailure(COLLECTOR, FailureKind.GONE, what, str(pid)))

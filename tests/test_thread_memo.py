@@ -1,0 +1,54 @@
+"""top's ThreadMemo on real threads of a real process: a thread that has not run since the last
+read is reused (one read of its schedstat), one that ran is read again."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from wedgectl.collect import procfs
+
+TARGET = """
+import threading, time, os
+stop = threading.Event()
+ids = {}
+def spin():
+    ids["spinner"] = threading.get_native_id()
+    while not stop.is_set():
+        pass
+def park():
+    ids["parked"] = threading.get_native_id()
+    stop.wait()
+threading.Thread(target=spin, daemon=True).start()
+threading.Thread(target=park, daemon=True).start()
+while len(ids) < 2:
+    time.sleep(0.01)
+print(ids["spinner"], ids["parked"], flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_parked_thread_is_reused_and_a_running_one_read_again():
+    proc = subprocess.Popen([sys.executable, "-c", TARGET], stdout=subprocess.PIPE, text=True)
+    try:
+        spinner, parked_tid = (int(x) for x in proc.stdout.readline().split())
+        memo = procfs.ThreadMemo()
+        first, _ = procfs.read_threads(proc.pid, unchanged=memo)
+        time.sleep(0.5)
+        second, _ = procfs.read_threads(proc.pid, unchanged=memo)
+        by_tid = {t.tid: t for t in first}
+        again = {t.tid: t for t in second}
+        assert again[parked_tid] is by_tid[parked_tid]  # not read again: the same sample
+        assert again[spinner] is not by_tid[spinner]
+        assert again[spinner].utime_s + again[spinner].stime_s > 0
+        assert memo.hits >= 1
+        # without the memo, a read gives the same answer for the parked thread
+        plain, _ = procfs.read_threads(proc.pid)
+        parked = next(t for t in plain if t.tid == parked_tid)
+        was = by_tid[parked_tid]
+        assert parked.state == was.state == "S"
+        assert parked.futex_addr == was.futex_addr and was.futex_addr is not None  # parked on its Event
+    finally:
+        proc.kill()
+        proc.wait()
