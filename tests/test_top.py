@@ -393,3 +393,23 @@ async def test_a_refresh_draws_only_the_rows_that_changed(monkeypatch):
         await pilot.pause(0.1)
         assert [str(c[0]) for c in drawn if c and str(c[0]) != "TID"] == ["105"]
         assert [str(c) for c in table.get_row_at(5)][3] == "97"
+
+
+@pytest.mark.parametrize("name,healthy", [("healthy", True), ("admission-wedge", False)])
+def test_stacks_are_dumped_less_often_while_the_verdict_is_healthy(name, healthy):
+    """py-spy is most of a refresh's cost: every 5th refresh while something may be wrong, every
+    stacks_quiet_s while the verdict is idle or progressing."""
+    from wedgectl.tui.source import Collector
+
+    source = ScriptedSource(read_bundle(BUNDLES / f"{name}.tar.gz"))
+    collector = Collector(source, stacks_every=5, stacks_quiet_s=3600)
+    frames = [collector.tick() for _ in range(16)]
+    dumped = [i for i, (with_stacks, _native) in enumerate(source.calls) if with_stacks]
+    assert frames[-1].verdict.verdict.is_healthy is healthy
+    if healthy:
+        assert dumped[0] == 0 and len(dumped) <= 2  # the first refresh, then (maybe) once before it was judged healthy
+    else:
+        assert dumped[-3:] == [5, 10, 15]
+    collector.request_stacks()
+    collector.tick()
+    assert source.calls[-1] == (True, False)  # d takes them at once either way

@@ -173,7 +173,7 @@ def top(
     url: Annotated[Optional[str], typer.Option("--url", help="The server's base URL (metrics only without --pid).")] = None,
     bundle: Annotated[Optional[Path], typer.Option("--bundle", help="Replay a saved evidence bundle in the same view.", readable=False)] = None,
     refresh: Annotated[float, typer.Option("--refresh", help="Seconds between samples.")] = 2.0,
-    stacks_every: Annotated[int, typer.Option("--stacks-every", help="py-spy stacks on every Nth refresh (d/D take them at once).")] = 5,
+    stacks_every: Annotated[int, typer.Option("--stacks-every", help="py-spy stacks on every Nth refresh while the verdict is not healthy; every 30 s while it is (d/D take them at once).")] = 5,
     save_dir: Annotated[Path, typer.Option("--save-dir", help="Folder for bundles saved with the s key.")] = Path("."),
     low_priority: Annotated[bool, typer.Option("--low-priority/--same-priority", help="Run at nice +5 and idle I/O priority, below the server.")] = True,
 ) -> None:

@@ -63,8 +63,8 @@ wedgectl top: a vLLM deployment and its live verdict, refreshed every few second
 
 Threads of one process that wait on the same futex address (one lock or
 condition) share a colour and show xN under SHARE. Stacks are dumped every
-Nth refresh (--stacks-every) and on d / D; the stack view says how old its
-dump is. A target that stops answering is shown as UNREACHABLE; top keeps
+Nth refresh (--stacks-every), every 30 s while the verdict is healthy, and
+on d / D; the stack view says how old its dump is. A target that stops answering is shown as UNREACHABLE; top keeps
 trying and never blocks the screen.
 """
 
@@ -354,7 +354,8 @@ class TopApp(App):
         self.w_evidence.verdict = frame.verdict
         extra = ""
         if self.collector is not None:
-            extra = f" | refresh {self.refresh_s:g} s, stacks every {self.collector.stacks_every}"
+            extra = (f" | refresh {self.refresh_s:g} s, stacks every {self.collector.stacks_every}"
+                     f" ({self.collector.stacks_quiet_s:g} s while healthy)")
         self.w_status_line.status = (f"{frame.target} | {frame.status}{extra}", frame.reachable)
         self.w_counters.counters = frame.counters
         pids = [p.pid for p in frame.processes]

@@ -35,6 +35,7 @@ from wedgectl.types import Bundle, Manifest, Sample, Target
 WINDOW = 60  # samples kept for the sparklines: 2 min at the default refresh
 CLASSIFY_LAST = 10  # samples the live verdict rests on: 20 s at 2 s, longer than any rule's frozen threshold
 STACKS_EVERY = 5  # py-spy on every 5th refresh (and on request): it costs wedgectl CPU, not the target's
+STACKS_QUIET_S = 30.0  # while the verdict is healthy (idle, progressing): py-spy every 30 s instead
 LOG_EVERY = 5  # re-read the log tail every 5th refresh
 LIVE_LOG_BYTES = 256 << 10  # the live verdict reads the log's tail; a saved bundle gets the sampler's 4 MiB
 SAVE_LOG_BYTES = 4 << 20
@@ -134,9 +135,15 @@ class Collector:
     """The rolling window over a LiveSource. tick() blocks; call it off the UI thread."""
 
     def __init__(self, source: LiveSource, window: int = WINDOW, stacks_every: int = STACKS_EVERY,
-                 classify_last: int = CLASSIFY_LAST, log_every: int = LOG_EVERY) -> None:
+                 classify_last: int = CLASSIFY_LAST, log_every: int = LOG_EVERY,
+                 stacks_quiet_s: float = STACKS_QUIET_S) -> None:
         self.source = source
         self.stacks_every = max(1, stacks_every)
+        # A dump of every process is most of what a refresh costs. While the verdict is healthy
+        # the stacks say little new: one every stacks_quiet_s; once it is not, every Nth refresh.
+        self.stacks_quiet_s = stacks_quiet_s
+        self._healthy = False
+        self._stacks_at = float("-inf")
         self.classify_last = classify_last
         self.log_every = max(1, log_every)
         self.ticks = 0
@@ -162,8 +169,14 @@ class Collector:
         self.busy_since = time.monotonic()
         try:
             native = bool(self._want_stacks)
-            with_stacks = self._want_stacks is not None or self.ticks % self.stacks_every == 0
+            if self._healthy:
+                due = time.monotonic() - self._stacks_at >= self.stacks_quiet_s
+            else:
+                due = self.ticks % self.stacks_every == 0
+            with_stacks = self._want_stacks is not None or due
             self._want_stacks = None
+            if with_stacks:
+                self._stacks_at = time.monotonic()
             sample = self.source.take(with_stacks, native)
             if self.ticks % self.log_every == 0:
                 self._log = self.source.log_tail(LIVE_LOG_BYTES)
@@ -171,7 +184,9 @@ class Collector:
             with self._lock:
                 self._window.append(ScrapedSample.of(sample))
                 window = tuple(self._window)
-            return build_frame(self.source.manifest(), window, self._log, self.classify_last, self.source.label)
+            frame = build_frame(self.source.manifest(), window, self._log, self.classify_last, self.source.label)
+            self._healthy = frame.verdict is not None and frame.verdict.verdict.is_healthy
+            return frame
         finally:
             self.busy_since = None
             self._running.release()
