@@ -68,3 +68,27 @@ def test_a_stale_tree_is_walked_again(tree, monkeypatch):
     assert len(walks) == 2
     cache.roles(kids[0])  # another root (a rediscovery): walked at once
     assert walks[-1] == kids[0]
+
+
+def test_an_engines_fds_are_read_at_the_walk_and_the_api_servers_every_sample(monkeypatch):
+    """top's fds memo: a Worker holds hundreds of fds; its ports and devices are read when the
+    tree is walked, while the API server's client connections are read every sample."""
+    import os
+
+    from wedgectl.collect import processes, procfs
+
+    read: list[int] = []
+    real = procfs.fd_links
+    monkeypatch.setattr(procfs, "fd_links", lambda pid, root=procfs.PROC: (pid != os.getpid() and read.append(pid)) or real(pid, root))
+    sleeper = subprocess.Popen(["sleep", "60"])  # wedgectl's own fds are read too (its own sockets): not counted
+    me = sleeper.pid
+    memo: dict = {}
+    for _ in range(3):
+        processes.sample_roles({me: Role.WORKER}, procfs.ThreadMemo(), memo)
+    assert read == [me] and me in memo  # read once, then kept
+    read.clear()
+    for _ in range(3):
+        processes.sample_roles({me: Role.API_SERVER}, procfs.ThreadMemo(), memo)
+    assert read == [me, me, me]  # the API server's every time
+    sleeper.kill()
+    sleeper.wait()

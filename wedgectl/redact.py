@@ -148,7 +148,21 @@ def _redact_arg(arg: str) -> str:
 
 
 def redact_argv(argv: Iterable[str]) -> list[str]:
-    """argv with secret values replaced: ``--api-key X``, ``--api-key=X``, ``FOO_PASS=X`` and secret shapes."""
+    """argv with secret values replaced: ``--api-key X``, ``--api-key=X``, ``FOO_PASS=X`` and secret shapes.
+    A deployment's few argvs come back every sample (`top`: every second): each is redacted once."""
+    key = tuple(str(a) for a in argv)
+    hit = _REDACTED_ARGVS.get(key)
+    if hit is None:
+        if len(_REDACTED_ARGVS) > 256:
+            _REDACTED_ARGVS.clear()
+        hit = _REDACTED_ARGVS[key] = tuple(_redact_argv(key))
+    return list(hit)
+
+
+_REDACTED_ARGVS: dict[tuple[str, ...], tuple[str, ...]] = {}
+
+
+def _redact_argv(argv: Iterable[str]) -> list[str]:
     out: list[str] = []
     hide_next = False
     for arg in argv:

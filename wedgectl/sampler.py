@@ -99,8 +99,8 @@ class TreeCache:
     the costliest part of a sample on a host with many processes, for an answer that changes
     when a process starts or exits. `top`, sampling every second for hours, keeps one; a
     diagnose capture walks at every sample (its samples are few, and a start-up adds processes
-    between them). It also holds top's ThreadMemo: a thread that has not run since the last
-    refresh is not read again."""
+    between them). It also holds top's ThreadMemo (a thread that has not run since the last
+    refresh is not read again) and the engine's and workers' ports and devices, read at each walk."""
 
     def __init__(self, ttl_s: float = 5.0) -> None:
         self.ttl_s = ttl_s
@@ -110,11 +110,13 @@ class TreeCache:
         self._at = float("-inf")
         self.walks = 0
         self.threads = procfs.ThreadMemo()  # and each thread's last sample, for one that has not run since
+        self.fds: dict[int, tuple[tuple[str, ...], int | None, tuple[str, ...]]] = {}  # see sample_roles
 
     def roles(self, root_pid: int) -> dict[int, Role]:
         now = time.monotonic()
         if root_pid != self._root or now - self._at >= self.ttl_s or not self._intact():
             self._roles = tree_roles(root_pid)
+            self.fds.clear()
             self._starts = {pid: _start_ticks(pid) for pid in self._roles}
             self._root, self._at = root_pid, now
             self.walks += 1
@@ -135,7 +137,7 @@ def _collect_processes(dep: Deployment, tree: TreeCache | None = None) -> tuple[
         return processes.sample_roles({})
     if tree is None:
         return processes.sample_roles(tree_roles(dep.root_pid))
-    return processes.sample_roles(tree.roles(dep.root_pid), tree.threads)
+    return processes.sample_roles(tree.roles(dep.root_pid), tree.threads, tree.fds)
 
 
 def _dump_burst(pid: int, native: bool, repeats: int) -> list[StackDump]:

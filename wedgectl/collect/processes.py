@@ -378,6 +378,7 @@ def sample_process(
     timeout: float = 2.0,
     tables: tuple[TcpTables, frozenset[tuple[str, int]]] | None = None,
     threads_memo: procfs.ThreadMemo | None = None,
+    fds_memo: dict[int, tuple[tuple[str, ...], int | None, tuple[str, ...]]] | None = None,
 ) -> tuple[ProcessSample, tuple[CollectorFailure, ...]]:
     """One ProcessSample: state, CPU, threads (procfs) and name, cmdline, RSS, sockets (psutil).
 
@@ -415,17 +416,25 @@ def sample_process(
 
     listening: tuple[str, ...] = ()
     connections: int | None = None
-    try:
-        links: list[str] | None = procfs.fd_links(pid, proc_root)  # read once: sockets and devices
-    except OSError:
-        links = None
-    if tables is None:  # a lone process: a table of its own, and wedgectl's sockets read before its
-        lone = TcpTables(proc_root)
-        tables = (lone, own_tcp_addresses(lone))
-    try:
-        listening, connections = sockets_from_tables(pid, *tables, links=links)
-    except OSError as exc:  # its fds unreadable (no CAP_SYS_PTRACE over it), or it exited
-        failures.append(_psutil_failure(exc, pid, "sockets"))
+    devices: tuple[str, ...] = ()
+    kept = fds_memo.get(pid) if fds_memo is not None and role is not Role.API_SERVER else None
+    if kept is not None:  # top: an engine's or worker's ports and devices, read at the last tree walk
+        listening, connections, devices = kept
+    else:
+        try:
+            links: list[str] | None = procfs.fd_links(pid, proc_root)  # read once: sockets and devices
+        except OSError:
+            links = None
+        if tables is None:  # a lone process: a table of its own, and wedgectl's sockets read before its
+            lone = TcpTables(proc_root)
+            tables = (lone, own_tcp_addresses(lone))
+        devices = accelerator_devices(pid, proc_root, links)
+        try:
+            listening, connections = sockets_from_tables(pid, *tables, links=links)
+            if fds_memo is not None and links is not None:
+                fds_memo[pid] = (listening, connections, devices)
+        except OSError as exc:  # its fds unreadable (no CAP_SYS_PTRACE over it), or it exited
+            failures.append(_psutil_failure(exc, pid, "sockets"))
 
     threads: tuple = ()
     if with_threads:
@@ -447,7 +456,7 @@ def sample_process(
         connections=connections,
         threads=threads,
         started=_create_time(proc),
-        devices=accelerator_devices(pid, proc_root, links),
+        devices=devices,
         main_quiet_s=procfs.main_thread_quiet_s(pid, proc_root) if role in STEPPING_ROLES else None,
     )
     return sample, tuple(failures)
@@ -461,9 +470,13 @@ def _create_time(proc: psutil.Process) -> float | None:
 
 
 def sample_roles(roles: dict[int, Role], threads_memo: procfs.ThreadMemo | None = None,
+                 fds_memo: dict[int, tuple[tuple[str, ...], int | None, tuple[str, ...]]] | None = None,
                  ) -> tuple[tuple[ProcessSample, ...], list[CollectorFailure]]:
     """One sample of each live process in `roles` (pid -> role); zombies and the exited are left out.
-    `threads_memo`: top's memo of threads that have not run since its last refresh (procfs.read_threads)."""
+    `threads_memo`: top's memo of threads that have not run since its last refresh (procfs.read_threads);
+    `fds_memo`: top's memo of each engine's and worker's ports and devices (its fds: hundreds for a
+    Worker), kept until the tree is walked again. The API server's are read every sample (its
+    client connections are evidence)."""
     if threads_memo is not None:
         threads_memo.forget_others(roles)
     failures: list[CollectorFailure] = []
@@ -472,7 +485,8 @@ def sample_roles(roles: dict[int, Role], threads_memo: procfs.ThreadMemo | None 
     ours = own_tcp_addresses(tables) if roles else frozenset()
     for proc in (psutil.Process(p) for p in roles if psutil.pid_exists(p)):
         try:
-            sample, fails = sample_process(proc, roles[proc.pid], tables=(tables, ours), threads_memo=threads_memo)
+            sample, fails = sample_process(proc, roles[proc.pid], tables=(tables, ours), threads_memo=threads_memo,
+                                           fds_memo=fds_memo)
         except psutil.Error:
             failures.append(CollectorFailure(COLLECTOR, FailureKind.GONE, "exited mid-capture", str(proc.pid)))
             continue
