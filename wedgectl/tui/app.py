@@ -261,7 +261,6 @@ class TopApp(App):
         self.w_threads.border_title = "threads"
         self.query_one("#stack-box").border_title = "stack"
         self.query_one("#evidence-box").border_title = "evidence"
-        self.set_interval(1.0, self._watchdog)
         if self.quit_after_s is not None:
             self.set_timer(self.quit_after_s, self.exit)
         if self.source is None:
@@ -306,7 +305,13 @@ class TopApp(App):
     # ------------------------------------------------------- collection
 
     def _tick(self) -> None:
-        if self.collector is not None and not self.collector.busy:
+        # The only timer while a target is watched: every wake-up of the app costs a few ms of
+        # CPU however little it does (a 1 s watchdog timer alone was 1.3 % of a core).
+        if self.collector is None:
+            return
+        if self.collector.busy:
+            self._watchdog()
+        else:
             self.collect()
 
     @work(thread=True, exclusive=True, group="collect")
