@@ -74,3 +74,16 @@ def test_a_truncated_bundle_archive(tmp_path):
     r = run("diagnose", "--bundle", str(tmp_path / "cut.tar.gz"))
     assert r.returncode == exitcodes.BAD_BUNDLE
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_diagnose_imports_only_what_it_uses():
+    # A watcher runs diagnose all day on a loaded host: its start-up is part of its cost. The TUI,
+    # the exposition, the probes' bcc and a validation library stay out of a diagnose.
+    code = ("import runpy, sys\n"
+            "sys.argv = ['wedgectl', 'diagnose', '--pid', '999999999', '-q']\n"
+            "try:\n    runpy.run_module('wedgectl', run_name='__main__')\n"
+            "except SystemExit as e:\n    code = e.code\n"
+            "heavy = ('pydantic', 'textual', 'prometheus_client', 'bcc', 'typer._adapters')\n"
+            "print(code, sorted(m for m in sys.modules if m.split('.')[0] in heavy or m in heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split(None, 1) == [str(exitcodes.NO_SUCH_PROCESS), "[]\n"], out.stdout + out.stderr
