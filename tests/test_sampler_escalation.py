@@ -310,3 +310,44 @@ def test_saturated_server_scrapes_answered_and_counters_moved():
     b = load("healthy-loaded")
     f = Facts(b)
     assert len(f.scrapes) == 2 and f.tokens_advance and f.gen_tokens.rate > 50
+
+
+def test_a_stepping_engine_is_read_from_proc_alone():
+    from wedgectl.sampler import STEPPING_QUIET_S, engine_stepping
+
+    h = load("healthy").samples[0]
+    assert engine_stepping(with_quiet(h, 0.0).processes)
+    assert not engine_stepping(with_quiet(h, STEPPING_QUIET_S + 0.1).processes)
+    assert not engine_stepping(h.processes)  # recorded before main_quiet_s was read: unknown is not stepping
+    stalled = load("engine-deadlock-stepless").samples[0]
+    assert not engine_stepping(stalled.processes)  # its Workers' main threads sat off a CPU for seconds
+    wedge = load("admission-wedge-short").samples[0]
+    assert engine_stepping(wedge.processes)  # a wedge spins: the dump waits for its hang-shaped gauges
+
+
+@pytest.mark.parametrize("quiet, dumped", [(0.0, False), (2.0, True), (None, True)])
+def test_the_first_sample_dumps_every_process_unless_the_engine_is_stepping(monkeypatch, quiet, dumped):
+    """A serving engine's first sample takes no py-spy dump (the scrapes decide it); a parked or
+    unread engine's does. A later burst then dumps the other processes once too."""
+    import wedgectl.sampler as sampler
+    from wedgectl.discover import Deployment
+
+    first = load("healthy").samples[0]
+    procs = with_quiet(first, quiet).processes if quiet is not None else first.processes
+    dep = Deployment(root_pid=procs[0].pid, api_pid=procs[0].pid, roles={p.pid: p.role for p in procs},
+                     base_url=None, metrics_url=None)
+    dumps: list[tuple[int, int]] = []
+    monkeypatch.setattr(sampler, "_collect_processes", lambda dep, tree=None: (procs, []))
+    monkeypatch.setattr(sampler, "_dump_burst", lambda pid, native, n: dumps.append((pid, n)) or [])
+    pending = sampler._begin(dep, None, SamplerOptions(), burst=1, first=True)
+    pending.sample(dep)
+    assert (pending.burst == 1, bool(dumps)) == (dumped, dumped)
+    assert sorted(pid for pid, _ in dumps) == (sorted(p.pid for p in procs if p.role is not Role.OTHER or "python" in p.name.lower()) if dumped else [])
+    # The escalation's burst: the engine's processes ESCALATE_BURST times; the rest once when the
+    # first sample dumped nothing, not at all when it did.
+    for others in (False, True):
+        dumps.clear()
+        sampler._collect_stacks(procs, False, ESCALATE_BURST, others=others)
+        engine = {p.pid for p in procs if p.role in (Role.ENGINE_CORE, Role.WORKER)}
+        assert {pid for pid, n in dumps if n == ESCALATE_BURST} == engine
+        assert bool({pid for pid, n in dumps if n == 1}) is others

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from wedgectl import __version__
 from wedgectl.classify import Facts, classify, classify_facts
+from wedgectl.classify.facts import stepless_of
 from wedgectl.collect import processes, procfs, pyspy
 from wedgectl.collect.scrape import Scraper
 from wedgectl.discover import Deployment, discover, tree_roles
@@ -110,7 +111,7 @@ class TreeCache:
         self._at = float("-inf")
         self.walks = 0
         self.threads = procfs.ThreadMemo()  # and each thread's last sample, for one that has not run since
-        self.fds: dict[int, tuple[tuple[str, ...], int | None, tuple[str, ...]]] = {}  # see sample_roles
+        self.fds: processes.FdsMemo = {}  # see sample_roles
 
     def roles(self, root_pid: int) -> dict[int, Role]:
         now = time.monotonic()
@@ -155,11 +156,13 @@ def _dump_burst(pid: int, native: bool, repeats: int) -> list[StackDump]:
     return good or failed[-1:]
 
 
-def _collect_stacks(procs: tuple[ProcessSample, ...], native: bool, burst: int = 1) -> tuple[tuple[StackDump, ...], list[CollectorFailure]]:
+def _collect_stacks(procs: tuple[ProcessSample, ...], native: bool, burst: int = 1,
+                    others: bool = False) -> tuple[tuple[StackDump, ...], list[CollectorFailure]]:
     """One dump of every Python process; or a burst of `burst` dumps of the EngineCore and Workers
-    only (a single snapshot of a loop says little about where it spends its time)."""
+    only (a single snapshot of a loop says little about where it spends its time), with one dump
+    of each other Python process too when `others` (the first sample took none)."""
     targets = [p for p in procs if p.role != Role.OTHER or "python" in p.name.lower()]
-    if burst > 1:  # a burst asks where the engine spends its time; the first sample dumped the rest
+    if burst > 1 and not others:  # a burst asks where the engine spends its time; the first sample dumped the rest
         targets = [p for p in targets if p.role in (Role.ENGINE_CORE, Role.WORKER)] or targets
     if not targets:
         return (), []
@@ -302,6 +305,7 @@ class Step:
 
 
 SUSPECT_STEPLESS_S = 1.0  # one sample whose engine has taken no step this long with work in flight
+STEPPING_QUIET_S = 0.5  # an engine whose main threads have all been on a CPU this recently is stepping
 
 
 def hang_shaped(f: Facts) -> bool:
@@ -371,10 +375,23 @@ class _Pending:
                       processes=self.procs, stacks=stacks, failures=tuple(failures))
 
 
+def engine_stepping(procs: tuple[ProcessSample, ...]) -> bool:
+    """Whether /proc alone shows the engine taking steps: every main thread a step needs (the
+    EngineCore's and its Workers') on a CPU, or waiting for one, within STEPPING_QUIET_S
+    (facts.stepless_of). False where that was not read."""
+    quiet = stepless_of(procs)
+    return quiet is not None and quiet < STEPPING_QUIET_S
+
+
 def _begin(dep: Deployment, scraper: Scraper, options: SamplerOptions, burst: int,
-           early: tuple[Future, int] | None = None, tree: TreeCache | None = None) -> _Pending:
+           early: tuple[Future, int] | None = None, tree: TreeCache | None = None,
+           first: bool = False, others: bool = False) -> _Pending:
     """Start one sample: /proc now (its instant is the sample's time), then the scrape and the
-    stack dumps in the background, so a slow server or py-spy does not hold the sampling clock."""
+    stack dumps in the background, so a slow server or py-spy does not hold the sampling clock.
+    `first`: a capture's first sample, whose one dump per process is left out when the engine is
+    stepping (engine_stepping): the scrapes decide a serving engine, and a hang that shows in
+    them buys the burst for the next sample (hang_shaped, next_step). `others`: a burst dumps the
+    other processes once too (the first sample's dump was left out)."""
     t = time.time()
     jobs: dict[str, Callable[[], object]] = {}
     if dep.metrics_url:
@@ -388,8 +405,8 @@ def _begin(dep: Deployment, scraper: Scraper, options: SamplerOptions, burst: in
         if early is not None:  # a burst begun as soon as it was asked for: this sample carries it
             future, burst = early
             jobs["stacks"] = lambda: future.result()["stacks"]
-        elif burst and procs:
-            jobs["stacks"] = lambda: _collect_stacks(procs, options.native, burst)
+        elif burst and procs and not (first and engine_stepping(procs)):
+            jobs["stacks"] = lambda: _collect_stacks(procs, options.native, burst, others)
     return _Pending(t, procs, list(failures), _background(jobs), burst if "stacks" in jobs else 0)
 
 
@@ -425,10 +442,12 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
     burst = 1 if options.stacks else 0  # the first sample: one dump of every Python process
     burst_asked = burst_taken = stop = False  # the engine's stack burst: asked for, then in the evidence
     early: tuple[Future, int] | None = None  # that burst, begun when asked for, for the next sample to carry
+    dumped_all = False  # the first sample dumped every Python process (not when its engine was stepping)
     while not stop:
         now = time.monotonic()
         if now >= due and len(pending) < MAX_IN_FLIGHT:
-            pending.append(_begin(dep, scraper, options, burst, early))
+            pending.append(_begin(dep, scraper, options, burst, early, first=not samples and not pending,
+                                  others=not dumped_all))
             burst, early = 0, None
             due += options.interval_s
             if due < time.monotonic():  # a slow /proc or py-spy: skip the missed ticks, do not bunch them
@@ -444,6 +463,7 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
             sample = done.sample(dep)
             samples.append(sample)
             burst_taken = burst_taken or done.burst > 1
+            dumped_all = dumped_all or done.burst == 1
             if len(samples) == 1 and not pending:
                 # Count the interval from the first answer, not the first request: the first scrape
                 # also connects, and the span the classifier needs is measured between answers.
@@ -474,7 +494,8 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
                 burst_asked = True
                 if sample.processes:
                     procs, n = sample.processes, step.burst
-                    early = (_background({"stacks": lambda: _collect_stacks(procs, options.native, n)}), n)
+                    others = not dumped_all
+                    early = (_background({"stacks": lambda: _collect_stacks(procs, options.native, n, others)}), n)
                 else:
                     burst = step.burst
             if step.probes:

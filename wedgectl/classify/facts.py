@@ -99,6 +99,20 @@ def _metric_series(snapshot_property: str) -> cached_property:
     return cached_property(read)
 
 
+def stepless_of(procs: Sequence[ProcessSample]) -> float | None:
+    """Facts.stepless_s of one sample's processes: per EngineCore the longest quiet of its main
+    thread and its Workers', across EngineCores the shortest; None where one was not read."""
+    per_engine = []
+    for core in (p for p in procs if p.role == Role.ENGINE_CORE):
+        quiet = [p.main_quiet_s for p in procs
+                 if p is core or (p.role == Role.WORKER and p.ppid == core.pid)]
+        known = [q for q in quiet if q is not None]
+        if not known:
+            return None
+        per_engine.append(max(known))
+    return min(per_engine) if per_engine else None
+
+
 @dataclass(frozen=True)
 class Facts:
     """Facts derived from a bundle; rules read only this.
@@ -252,16 +266,7 @@ class Facts:
         (each runs its shard of the model), so one of them off a CPU for q seconds means no step for
         q seconds. Per EngineCore the longest such quiet; across data-parallel EngineCores, which step
         on their own, the shortest. None where a main thread's quiet was not read."""
-        procs = self.last_processes
-        per_engine = []
-        for core in (p for p in procs if p.role == Role.ENGINE_CORE):
-            quiet = [p.main_quiet_s for p in procs
-                     if p is core or (p.role == Role.WORKER and p.ppid == core.pid)]
-            known = [q for q in quiet if q is not None]
-            if not known:
-                return None
-            per_engine.append(max(known))
-        return min(per_engine) if per_engine else None
+        return stepless_of(self.last_processes)
 
     @cached_property
     def stepless_processes(self) -> tuple[ProcessSample, ...]:
