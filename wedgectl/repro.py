@@ -492,10 +492,11 @@ def run_repro(
             progress(f"--keep: server left running, pid {server.pid}, {server.url}; its clients: pid "
                      f"{holder.pid if holder else '?'} (they hold the requests open for up to 1 h)")
         else:
-            workload.stop()
+            # The clients first: what they record from here on is a server going away.
             if holder is not None:
-                # The clients first: what they record from here on is a server going away.
                 stop_tree(holder.pid, grace=HOLDER_STOP_S, popen=holder)
+            else:
+                workload.stop()
             elapsed = stop_server(server, grace=5)
             notes.append(f"teardown took {elapsed:.1f} s")
     results = list(workload.results)

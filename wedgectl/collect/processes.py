@@ -359,6 +359,10 @@ def accelerator_devices(pid: int, proc_root: Path = procfs.PROC, links: list[str
 # collects its output, each Worker runs its shard of the model.
 STEPPING_ROLES = frozenset({Role.ENGINE_CORE, Role.WORKER})
 
+# top's memo of an engine's or worker's fds, read at each tree walk (sample_roles):
+# pid -> (listening addresses, established connections, accelerator devices)
+FdsMemo = dict[int, tuple[tuple[str, ...], int | None, tuple[str, ...]]]
+
 
 def _psutil_failure(exc: BaseException, pid: int, what: str) -> CollectorFailure:
     if isinstance(exc, psutil.NoSuchProcess):  # ZombieProcess too
@@ -378,7 +382,7 @@ def sample_process(
     timeout: float = 2.0,
     tables: tuple[TcpTables, frozenset[tuple[str, int]]] | None = None,
     threads_memo: procfs.ThreadMemo | None = None,
-    fds_memo: dict[int, tuple[tuple[str, ...], int | None, tuple[str, ...]]] | None = None,
+    fds_memo: FdsMemo | None = None,
 ) -> tuple[ProcessSample, tuple[CollectorFailure, ...]]:
     """One ProcessSample: state, CPU, threads (procfs) and name, cmdline, RSS, sockets (psutil).
 
@@ -470,7 +474,7 @@ def _create_time(proc: psutil.Process) -> float | None:
 
 
 def sample_roles(roles: dict[int, Role], threads_memo: procfs.ThreadMemo | None = None,
-                 fds_memo: dict[int, tuple[tuple[str, ...], int | None, tuple[str, ...]]] | None = None,
+                 fds_memo: FdsMemo | None = None,
                  ) -> tuple[tuple[ProcessSample, ...], list[CollectorFailure]]:
     """One sample of each live process in `roles` (pid -> role); zombies and the exited are left out.
     `threads_memo`: top's memo of threads that have not run since its last refresh (procfs.read_threads);
