@@ -70,25 +70,72 @@ def test_a_stale_tree_is_walked_again(tree, monkeypatch):
     assert walks[-1] == kids[0]
 
 
-def test_an_engines_fds_are_read_at_the_walk_and_the_api_servers_every_sample(monkeypatch):
-    """top's fds memo: a Worker holds hundreds of fds; its ports and devices are read when the
-    tree is walked, while the API server's client connections are read every sample."""
+def test_fds_and_tcp_tables_are_read_at_the_walk_not_every_sample(monkeypatch):
+    """top's fds memo: a Worker holds hundreds of fds, and a TCP table read walks the kernel's
+    whole connection hash; each process's ports, connections and devices are read when the tree
+    is walked (the memo cleared), and a refresh with every process kept reads neither its fds,
+    nor wedgectl's own, nor a TCP table."""
     import os
 
-    from wedgectl.collect import processes, procfs
+    from wedgectl.collect import processes, procfs, sockets
 
     read: list[int] = []
-    real = procfs.fd_links
-    monkeypatch.setattr(procfs, "fd_links", lambda pid, root=procfs.PROC: (pid != os.getpid() and read.append(pid)) or real(pid, root))
-    sleeper = subprocess.Popen(["sleep", "60"])  # wedgectl's own fds are read too (its own sockets): not counted
+    tables: list[int] = []
+    real_links, real_table = procfs.fd_links, sockets.TcpTables._table
+    monkeypatch.setattr(procfs, "fd_links", lambda pid, root=procfs.PROC: read.append(pid) or real_links(pid, root))
+    monkeypatch.setattr(sockets.TcpTables, "_table", lambda self, pid: tables.append(pid) or real_table(self, pid))
+    sleeper = subprocess.Popen(["sleep", "60"])
     me = sleeper.pid
-    memo: dict = {}
-    for _ in range(3):
-        processes.sample_roles({me: Role.WORKER}, procfs.ThreadMemo(), memo)
-    assert read == [me] and me in memo  # read once, then kept
+    for role in (Role.WORKER, Role.API_SERVER):
+        memo: dict = {}
+        read.clear(), tables.clear()
+        for _ in range(3):
+            samples, _ = processes.sample_roles({me: role}, procfs.ThreadMemo(), memo)
+            assert samples and samples[0].connections == 0
+        assert read == [os.getpid(), me] and me in memo  # wedgectl's own sockets, then its: once
+        assert len(tables) == 2  # one table (the namespace's), for ours and its, at the first sample only
+        memo.clear()  # the walk
+        processes.sample_roles({me: role}, procfs.ThreadMemo(), memo)
+        assert read[2:] == [os.getpid(), me]
+    # A diagnose keeps no memo: every sample reads them.
     read.clear()
-    for _ in range(3):
-        processes.sample_roles({me: Role.API_SERVER}, procfs.ThreadMemo(), memo)
-    assert read == [me, me, me]  # the API server's every time
+    for _ in range(2):
+        processes.sample_roles({me: Role.API_SERVER})
+    assert read.count(me) == 2
     sleeper.kill()
     sleeper.wait()
+
+
+def test_a_cmdline_is_read_again_when_the_title_changes_not_every_sample(monkeypatch):
+    """A cmdline read is a bounded read in a thread of its own: reused while the process keeps its
+    start time and comm, read afresh once it retitles itself (comm and argv change together)."""
+    from wedgectl.collect import processes, procread
+
+    reads: list[int] = []
+    real = procread.read_cmdline
+    monkeypatch.setattr(procread, "read_cmdline", lambda pid, *a: reads.append(pid) or real(pid, *a))
+    child = subprocess.Popen([sys.executable, "-c", TITLE_CHANGER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        first = processes.name_cmdline(child.pid)
+        for _ in range(5):
+            assert processes.name_cmdline(child.pid) == first
+        assert reads == [child.pid]
+        child.stdin.write("retitle\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "retitled"
+        name, _argv = processes.name_cmdline(child.pid)
+        assert name == "VLLM::Retitled" and reads == [child.pid, child.pid]
+    finally:
+        child.kill()
+        child.wait()
+
+
+TITLE_CHANGER = """
+import ctypes, sys
+print("ready", flush=True)
+sys.stdin.readline()
+ctypes.CDLL(None).prctl(15, b"VLLM::Retitled", 0, 0, 0)
+print("retitled", flush=True)
+sys.stdin.readline()
+"""

@@ -148,10 +148,11 @@ def name_cmdline(
 
 
 # One sample reads each process's cmdline several times (its role, its parent's role, the tree's
-# root, the sample itself), each read a bounded read in a thread of its own. A read is reused for
-# CMDLINE_TTL_S, keyed by start time and comm so a reused pid or a new title reads afresh; shorter
-# than any sampling interval, so each sample sees the title as it is.
-CMDLINE_TTL_S = 0.5
+# root, the sample itself), each read a bounded read in a thread of its own, and `top` samples every
+# second for hours. A read is reused for CMDLINE_TTL_S, keyed by start time and comm: a reused pid
+# reads afresh, and so does a retitled process (setproctitle, as vLLM names its processes, sets
+# comm with the argv); only an exec that keeps comm is seen up to CMDLINE_TTL_S late.
+CMDLINE_TTL_S = 5.0
 _CMDLINES: dict[tuple[str, int, int, str], tuple[float, str, tuple[str, ...]]] = {}
 
 
@@ -359,7 +360,7 @@ def accelerator_devices(pid: int, proc_root: Path = procfs.PROC, links: list[str
 # collects its output, each Worker runs its shard of the model.
 STEPPING_ROLES = frozenset({Role.ENGINE_CORE, Role.WORKER})
 
-# top's memo of an engine's or worker's fds, read at each tree walk (sample_roles):
+# top's memo of each process's fds, read at each tree walk (sample_roles):
 # pid -> (listening addresses, established connections, accelerator devices)
 FdsMemo = dict[int, tuple[tuple[str, ...], int | None, tuple[str, ...]]]
 
@@ -421,8 +422,8 @@ def sample_process(
     listening: tuple[str, ...] = ()
     connections: int | None = None
     devices: tuple[str, ...] = ()
-    kept = fds_memo.get(pid) if fds_memo is not None and role is not Role.API_SERVER else None
-    if kept is not None:  # top: an engine's or worker's ports and devices, read at the last tree walk
+    kept = fds_memo.get(pid) if fds_memo is not None else None
+    if kept is not None:  # top: the ports, client connections and devices read at the last tree walk
         listening, connections, devices = kept
     else:
         try:
@@ -478,15 +479,18 @@ def sample_roles(roles: dict[int, Role], threads_memo: procfs.ThreadMemo | None 
                  ) -> tuple[tuple[ProcessSample, ...], list[CollectorFailure]]:
     """One sample of each live process in `roles` (pid -> role); zombies and the exited are left out.
     `threads_memo`: top's memo of threads that have not run since its last refresh (procfs.read_threads);
-    `fds_memo`: top's memo of each engine's and worker's ports and devices (its fds: hundreds for a
-    Worker), kept until the tree is walked again. The API server's are read every sample (its
-    client connections are evidence)."""
+    `fds_memo`: top's memo of each process's ports, established connections and devices (its fds:
+    hundreds for a Worker; the TCP tables, whose read walks the kernel's whole connection hash,
+    about 1.5 ms a table however few sockets it lists), kept until the tree is walked again, so the
+    API server's client count in `top` is at most a walk old (5 s). A diagnose passes none."""
     if threads_memo is not None:
         threads_memo.forget_others(roles)
     failures: list[CollectorFailure] = []
     out = []
     tables = TcpTables()
-    ours = own_tcp_addresses(tables) if roles else frozenset()
+    # wedgectl's own addresses read the table: only when some process's sockets will be read
+    reading = any(fds_memo is None or pid not in fds_memo for pid in roles)
+    ours = own_tcp_addresses(tables) if reading else frozenset()
     for proc in (psutil.Process(p) for p in roles if psutil.pid_exists(p)):
         try:
             sample, fails = sample_process(proc, roles[proc.pid], tables=(tables, ours), threads_memo=threads_memo,
