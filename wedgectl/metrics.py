@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from functools import cached_property
 import re
 from dataclasses import dataclass, field
 
@@ -20,7 +21,8 @@ class MetricsParseError(ValueError):
 
 @dataclass(frozen=True)
 class MetricsSnapshot:
-    """One scrape, as {sample name: [(labels, value), ...]}."""
+    """One scrape, as {sample name: [(labels, value), ...]}. Its named values are computed once:
+    a live window (top, a capture) reads every snapshot in it again at each refresh."""
 
     samples: dict[str, tuple[tuple[dict[str, str], float], ...]] = field(default_factory=dict)
 
@@ -32,70 +34,70 @@ class MetricsSnapshot:
         matched = [v for lab, v in rows if all(lab.get(k) == want for k, want in labels.items())]
         return sum(matched) if matched else None
 
-    @property
+    @cached_property
     def is_vllm(self) -> bool:
         return any(name.startswith("vllm:") for name in self.samples)
 
-    @property
+    @cached_property
     def has_heartbeat(self) -> bool:
         return HEARTBEAT_STEPS in self.samples
 
     # The vLLM 0.32 names (docs/hang-*.md say which move when).
-    @property
+    @cached_property
     def running(self) -> float | None:
         return self.value("vllm:num_requests_running")
 
-    @property
+    @cached_property
     def waiting(self) -> float | None:
         return self.value("vllm:num_requests_waiting")
 
-    @property
+    @cached_property
     def waiting_capacity(self) -> float | None:
         return self.value("vllm:num_requests_waiting_by_reason", reason="capacity")
 
-    @property
+    @cached_property
     def waiting_deferred(self) -> float | None:
         return self.value("vllm:num_requests_waiting_by_reason", reason="deferred")
 
-    @property
+    @cached_property
     def kv_usage(self) -> float | None:
         """KV cache usage as a fraction 0..1."""
         return self.value("vllm:kv_cache_usage_perc")
 
-    @property
+    @cached_property
     def generation_tokens(self) -> float | None:
         return self.value("vllm:generation_tokens_total")
 
-    @property
+    @cached_property
     def prompt_tokens(self) -> float | None:
         return self.value("vllm:prompt_tokens_total")
 
-    @property
+    @cached_property
     def preemptions(self) -> float | None:
         return self.value("vllm:num_preemptions_total")
 
-    @property
+    @cached_property
     def requests_finished(self) -> float | None:
         return self.value("vllm:request_success_total")
 
-    @property
+    @cached_property
     def iterations(self) -> float | None:
         """Steps that scheduled tokens: the iteration histogram's count."""
         return self.value("vllm:iteration_tokens_total_count")
 
-    @property
+    @cached_property
     def heartbeat_steps(self) -> float | None:
         return self.value(HEARTBEAT_STEPS)
 
-    @property
+    @cached_property
     def heartbeat_model_steps(self) -> float | None:
         return self.value(HEARTBEAT_MODEL_STEPS)
 
-    @property
+    @cached_property
     def heartbeat_step_age(self) -> float | None:
         return self.value(HEARTBEAT_STEP_AGE)
 
-    @property
+    @cached_property
     def heartbeat_model_step_age(self) -> float | None:
         return self.value(HEARTBEAT_MODEL_STEP_AGE)
 
