@@ -8,6 +8,7 @@ answered, and the screen keeps working.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -224,7 +225,8 @@ class TopApp(App):
         self.cursor = 0  # replay position (samples seen)
         self.last_frame_at: float | None = None  # monotonic time the last frame arrived
         self.last_error: str | None = None
-        self._timer = None
+        self._collect_loop: CollectLoop | None = None
+        self._watch = None  # the watchdog timer: reset by every frame, so it fires only when none comes
         self.cpu = CpuMeter()
         self.pinned_pid: int | None = None  # a rank's stack kept beside the selected one's
 
@@ -279,9 +281,20 @@ class TopApp(App):
         else:
             self.collector = Collector(source, stacks_every=self.stacks_every)
             self.selected_pid = None
-            self.collect()
-            if self._timer is None:
-                self._timer = self.set_interval(self.refresh_s, self._tick)
+            if self._collect_loop is None:
+                self._collect_loop = CollectLoop(self, self.refresh_s)
+                self._collect_loop.start()
+                self._watch = self.set_interval(self.stuck_after_s, self._watchdog)
+            else:
+                self._collect_loop.now()
+
+    @property
+    def stuck_after_s(self) -> float:
+        return max(2 * self.refresh_s, 3.0)
+
+    def on_unmount(self) -> None:
+        if self._collect_loop is not None:
+            self._collect_loop.stop()
 
     def _picked(self, pid: int | None) -> None:
         if pid is not None:
@@ -304,33 +317,14 @@ class TopApp(App):
 
     # ------------------------------------------------------- collection
 
-    def _tick(self) -> None:
-        # The only timer while a target is watched: every wake-up of the app costs a few ms of
-        # CPU however little it does (a 1 s watchdog timer alone was 1.3 % of a core).
-        if self.collector is None:
-            return
-        if self.collector.busy:
-            self._watchdog()
-        else:
-            self.collect()
-
-    @work(thread=True, exclusive=True, group="collect")
-    def collect(self) -> None:
-        assert self.collector is not None
-        try:
-            frame = self.collector.tick()
-        except Exception as exc:  # noqa: BLE001 - a collector bug must not take the screen down
-            self.post_message(CollectFailed(f"{type(exc).__name__}: {exc}"))
-            return
-        if frame is not None:
-            self.post_message(FrameReady(frame))
-
     @work(thread=True, exclusive=True, group="collect")
     def replay(self) -> None:
         assert isinstance(self.source, BundleSource)
         self.post_message(FrameReady(self.source.frame_at(self.cursor)))
 
     def on_frame_ready(self, msg: FrameReady) -> None:
+        if self._watch is not None:
+            self._watch.reset()  # a frame came: the watchdog's countdown starts again
         self.last_frame_at = time.monotonic()
         self.last_error = None
         self.frame = msg.frame
@@ -340,12 +334,13 @@ class TopApp(App):
         self.w_status_line.status = (f"collection failed: {msg.error}", False)
 
     def _watchdog(self) -> None:
-        """Say so when the target stops answering: a tick running far longer than the refresh."""
+        """Say so when the target stops answering: a tick running far longer than the refresh. Its
+        timer fires only when no frame has come for stuck_after_s, then every stuck_after_s."""
         c = self.collector
         if c is None or c.busy_since is None:
             return
         stuck = time.monotonic() - c.busy_since
-        if stuck > max(2 * self.refresh_s, 3.0):
+        if stuck > self.stuck_after_s:
             self.w_status_line.status = (
                 f"UNREACHABLE: {self.source.label if self.source else ''} has not answered for {stuck:.0f} s "
                 "(still trying; the last frame stays on screen)", False)
@@ -457,8 +452,8 @@ class TopApp(App):
             return
         self.collector.request_stacks(native)
         self.notify("native stack dump requested (pauses each process ~50 ms)" if native else "stack dump requested")
-        if not self.collector.busy:
-            self.collect()
+        if self._collect_loop is not None:
+            self._collect_loop.now()
 
     def action_swap(self) -> None:
         if self.collector is None or not isinstance(self.source, LiveSource):
@@ -518,6 +513,44 @@ class TopApp(App):
         if new != self.cursor:
             self.cursor = new
             self.replay()
+
+
+class CollectLoop(threading.Thread):
+    """top's one collection thread: a tick of the app's Collector every refresh (or at once when
+    asked), each frame posted to the app. A Textual thread worker per refresh cost a new thread,
+    a Worker and its state messages, and the interval timer one more wake-up of the app, each
+    refresh; now a refresh wakes the app once, with its frame. A late tick (a slow target) is
+    skipped, not made up. It reads `app.collector` at each tick: a swap's new target is picked up."""
+
+    def __init__(self, app: TopApp, refresh_s: float) -> None:
+        super().__init__(daemon=True, name="wedgectl-top-collect")
+        self.app, self.refresh_s = app, refresh_s
+        self._wake, self._stopped = threading.Event(), threading.Event()
+
+    def now(self) -> None:
+        """Tick at once (a stack dump asked for, a new target)."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._wake.set()
+
+    def run(self) -> None:
+        due = time.monotonic()
+        while not self._stopped.is_set():
+            collector = self.app.collector
+            if collector is not None:
+                try:
+                    frame = collector.tick()
+                except Exception as exc:  # noqa: BLE001 - a collector bug must not take the screen down
+                    self.app.post_message(CollectFailed(f"{type(exc).__name__}: {exc}"))
+                else:
+                    if frame is not None:
+                        self.app.post_message(FrameReady(frame))
+            due = max(due + self.refresh_s, time.monotonic())
+            if self._wake.wait(max(0.0, due - time.monotonic())):
+                self._wake.clear()
+                due = time.monotonic()
 
 
 def swap_plan(pid: int) -> tuple[object | None, list[str], str]:

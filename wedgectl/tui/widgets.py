@@ -37,17 +37,33 @@ class VerdictBanner(Static):
 
     verdict: reactive[Verdict | None] = var(None)
 
+    _shown: tuple[str, ...] | None = None  # what the banner says: a new verdict saying the same is not drawn
+
     def watch_verdict(self, verdict: Verdict | None) -> None:
-        self.remove_class("-healthy", "-hang", "-unsure")
+        # Each refresh brings a new Verdict (its facts move); a class change restyles the widget
+        # (a stylesheet pass) and an update repaints it, so both happen only when the text would
+        # change.
+        if verdict is None:
+            shown: tuple[str, ...] = ("-unsure",)
+        else:
+            kind = verdict.verdict
+            cls = "-healthy" if kind.is_healthy else "-hang" if kind in HANG_KINDS else "-unsure"
+            shown = (cls, kind.value, f"{verdict.confidence:.2f}", verdict.rule, verdict.summary)
+        if shown == self._shown:
+            return
+        if self._shown is None or shown[0] != self._shown[0]:
+            self.set_classes_of_verdict(shown[0])
+        self._shown = shown
         if verdict is None:
             self.update("VERDICT  (waiting for evidence)")
-            self.add_class("-unsure")
             return
-        kind = verdict.verdict
-        self.add_class("-healthy" if kind.is_healthy else "-hang" if kind in HANG_KINDS else "-unsure")
-        head = Text.assemble(("VERDICT  ", "bold"), (kind.value, "bold reverse"),
-                             f"  (confidence {verdict.confidence:.2f})  rule {verdict.rule}")
-        self.update(Text("\n").join([head, Text(verdict.summary)]), layout=False)  # fixed height
+        head = Text.assemble(("VERDICT  ", "bold"), (shown[1], "bold reverse"),
+                             f"  (confidence {shown[2]})  rule {shown[3]}")
+        self.update(Text("\n").join([head, Text(shown[4])]), layout=False)  # fixed height
+
+    def set_classes_of_verdict(self, cls: str) -> None:
+        for other in ("-healthy", "-hang", "-unsure"):
+            self.set_class(other == cls, other)
 
 
 class StatusLine(Static):
