@@ -53,3 +53,16 @@ def test_a_capture_that_gets_its_share_stays_below_the_server():
 
     out = run([5.0, 5.1, 5.2, 5.3], 3)
     assert out["said"] == [None, None, None] and out["nice"] == [out["start"] + NICE] * 3
+
+
+def test_the_nice_is_given_back_once_the_target_is_sampled():
+    # diagnose gives it back after the capture: classify, print and exit are its own work
+    code = ("import os; from wedgectl import sampler; s = os.getpriority(os.PRIO_PROCESS, 0); sampler.lower_priority(); "
+            "low = os.getpriority(os.PRIO_PROCESS, 0); err = sampler.restore_priority(); "
+            "print(low - s, os.getpriority(os.PRIO_PROCESS, 0) - s, err, sampler.restore_priority(), sep='|')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    from wedgectl.sampler import NICE
+
+    low, back, err, again = r.stdout.strip().split("|")
+    assert int(low) == NICE and again == "None"
+    assert (int(back), err) == ((0, "None") if os.geteuid() == 0 else (NICE, err))

@@ -82,7 +82,7 @@ def diagnose(
 
         b = bundle_from_log(log)
     else:
-        from wedgectl.sampler import SamplerOptions, capture, fatal_problem, lower_priority
+        from wedgectl.sampler import SamplerOptions, capture, fatal_problem, lower_priority, restore_priority
 
         if low_priority:
             lower_priority()  # best effort: a refused nice or ioprio changes nothing but the priority
@@ -95,6 +95,9 @@ def diagnose(
             progress=None if quiet or as_json and not sys.stderr.isatty() else _progress,
         )
         b = capture(pid=pid, url=url, log_path=log, options=opts)
+        # The target is sampled: what is left (classify, print, exit) is wedgectl's alone and takes
+        # milliseconds of CPU, which a niced process next to a busy server can wait seconds for.
+        restore_priority()
         problem = fatal_problem(b)
         if problem is not None:
             if save_bundle is not None:

@@ -116,19 +116,29 @@ def _own_run_delay_s() -> float | None:
 def restore_priority_if_starved(limit_s: float = STARVED_S) -> str | None:
     """After lower_priority: when the calling (main) thread has waited more than `limit_s` for a CPU
     since, give the nice back (threads and py-spy started later inherit it). What was done, or None."""
-    global _lowered
     if _lowered is None:
         return None
     before, delay0 = _lowered
     now = _own_run_delay_s()
     if delay0 is None or now is None or now - delay0 <= limit_s:
         return None
-    _lowered = None
+    error = restore_priority()
+    if error:
+        return f"waited {now - delay0:.1f} s for a CPU at low priority; could not return to nice {before}: {error}"
+    return f"waited {now - delay0:.1f} s for a CPU at low priority: back at nice {before} for the rest of the capture"
+
+
+def restore_priority() -> str | None:
+    """Undo lower_priority's nice (the I/O class stays idle); why it could not be, or None."""
+    global _lowered
+    if _lowered is None:
+        return None
+    before, _lowered = _lowered[0], None
     try:
         os.setpriority(os.PRIO_PROCESS, 0, before)
     except OSError as exc:
-        return f"waited {now - delay0:.1f} s for a CPU at low priority; could not return to nice {before}: {exc.strerror or exc}"
-    return f"waited {now - delay0:.1f} s for a CPU at low priority: back at nice {before} for the rest of the capture"
+        return str(exc.strerror or exc)
+    return None
 
 
 class TreeCache:
