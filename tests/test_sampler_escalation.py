@@ -351,3 +351,42 @@ def test_the_first_sample_dumps_every_process_unless_the_engine_is_stepping(monk
         engine = {p.pid for p in procs if p.role in (Role.ENGINE_CORE, Role.WORKER)}
         assert {pid for pid, n in dumps if n == ESCALATE_BURST} == engine
         assert bool({pid for pid, n in dumps if n == 1}) is others
+
+
+class RecordedScraper:
+    """A recorded capture's scrapes, answered in order with fresh times: the sampler's seam."""
+
+    def __init__(self, b):
+        self.scrapes = [s.metrics for s in b.samples if s.metrics is not None]
+        self.n = 0
+
+    def metrics(self, url, timeout=None):
+        m = self.scrapes[min(self.n, len(self.scrapes) - 1)]
+        self.n += 1
+        return replace(m, t=__import__("time").time())
+
+    def health(self, base_url, timeout=None):
+        return 200, None
+
+
+@pytest.mark.parametrize("name, kind", [("healthy", VerdictKind.PROGRESSING), ("idle", VerdictKind.IDLE)])
+def test_a_capture_without_its_first_dump_takes_it_before_any_verdict_but_progressing(monkeypatch, name, kind):
+    """The first sample leaves the dump out for an engine /proc shows stepping. A capture that
+    stops on "progressing" never dumps (its counters decided it); one that stops on anything else
+    dumps every Python process once, onto its last sample, as the first sample would have."""
+    import wedgectl.sampler as sampler
+    from wedgectl.discover import Deployment
+
+    b = load(name)
+    procs = with_quiet(b.samples[0], 0.0).processes
+    dep = Deployment(root_pid=procs[0].pid, api_pid=procs[0].pid, roles={p.pid: p.role for p in procs},
+                     base_url="http://127.0.0.1:1", metrics_url="http://127.0.0.1:1/metrics")
+    dumps: list[tuple[int, int]] = []
+    monkeypatch.setattr(sampler, "_collect_processes", lambda dep, tree=None: (procs, []))
+    monkeypatch.setattr(sampler, "_dump_burst", lambda pid, native, n: dumps.append((pid, n)) or [])
+    options = SamplerOptions(window_s=4.0, interval_s=0.3)
+    out = sampler._capture(dep, dep.root_pid, None, None, options, RecordedScraper(b), sampler._Probes(dep, options))
+    assert classify(out).verdict is kind and len(out.samples) == 2
+    python = sorted(p.pid for p in procs if p.role is not Role.OTHER or "python" in p.name.lower())
+    assert sorted(pid for pid, n in dumps if n == 1) == ([] if kind is VerdictKind.PROGRESSING else python)
+    assert len(dumps) == (0 if kind is VerdictKind.PROGRESSING else len(python))

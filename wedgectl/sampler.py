@@ -438,8 +438,9 @@ def _begin(dep: Deployment, scraper: Scraper, options: SamplerOptions, burst: in
     """Start one sample: /proc now (its instant is the sample's time), then the scrape and the
     stack dumps in the background, so a slow server or py-spy does not hold the sampling clock.
     `first`: a capture's first sample, whose one dump per process is left out when the engine is
-    stepping (engine_stepping): the scrapes decide a serving engine, and a hang that shows in
-    them buys the burst for the next sample (hang_shaped, next_step). `others`: a burst dumps the
+    stepping (engine_stepping): the scrapes decide a serving engine, a hang that shows in them
+    buys the burst for the next sample (hang_shaped, next_step), and a scrape with nothing
+    running (not `serving`) buys the left-out dump for the next sample (_capture). `others`: a burst dumps the
     other processes once too (the first sample's dump was left out)."""
     t = time.time()
     jobs: dict[str, Callable[[], object]] = {}
@@ -539,6 +540,13 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
             if step.why:
                 say(step.why)
             if step.stop:
+                if (options.stacks and not dumped_all and not burst_taken and sample.processes
+                        and verdict.verdict is not VerdictKind.PROGRESSING):
+                    # The first dump was left out for a stepping engine, yet the verdict is not
+                    # "progressing": the evidence gets the stacks of every process the first
+                    # sample would have had, on the last sample.
+                    dumps, fails = _collect_stacks(sample.processes, options.native, 1)
+                    samples[-1] = replace(sample, stacks=dumps, failures=sample.failures + tuple(fails))
                 stop = True
                 break
             if step.burst and not burst_asked:
