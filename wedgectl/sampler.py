@@ -439,9 +439,9 @@ def _begin(dep: Deployment, scraper: Scraper, options: SamplerOptions, burst: in
     stack dumps in the background, so a slow server or py-spy does not hold the sampling clock.
     `first`: a capture's first sample, whose one dump per process is left out when the engine is
     stepping (engine_stepping): the scrapes decide a serving engine, a hang that shows in them
-    buys the burst for the next sample (hang_shaped, next_step), and a scrape with nothing
-    running (not `serving`) buys the left-out dump for the next sample (_capture). `others`: a burst dumps the
-    other processes once too (the first sample's dump was left out)."""
+    buys the burst for the next sample (hang_shaped, next_step), and a capture that stops on any
+    other verdict with no dump taken takes the left-out one then (_capture). `others`: a burst
+    dumps the other processes once too (the first sample's dump was left out)."""
     t = time.time()
     jobs: dict[str, Callable[[], object]] = {}
     if dep.metrics_url:
