@@ -12,10 +12,11 @@ import sys
 CHILD = """
 import json, os, sys
 from wedgectl import sampler
+from wedgectl.collect import procfs
 start = os.getpriority(os.PRIO_PROCESS, 0)
 delays = iter(json.loads(sys.argv[1]))
-real = sampler._own_run_delay_s()
-sampler._own_run_delay_s = lambda: next(delays)
+real = procfs.own_run_delay_s()
+procfs.own_run_delay_s = lambda: next(delays)
 problems = sampler.lower_priority()
 out = {"start": start, "real_delay": real, "problems": problems, "after_lower": os.getpriority(os.PRIO_PROCESS, 0),
        "said": [], "nice": []}

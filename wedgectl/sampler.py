@@ -78,7 +78,7 @@ def lower_priority(nice: int = NICE) -> list[str]:
     try:
         before = os.getpriority(os.PRIO_PROCESS, 0)
         os.nice(nice)
-        _lowered = (before, _own_run_delay_s())
+        _lowered = (before, procfs.own_run_delay_s())
     except OSError as exc:
         problems.append(f"nice: {exc.strerror or exc}")
     nr = _IOPRIO_SET.get(platform.machine())
@@ -104,22 +104,13 @@ STARVED_S = 1.0
 _lowered: tuple[int, float | None] | None = None  # (the nice before lower_priority, the run delay then)
 
 
-def _own_run_delay_s() -> float | None:
-    """Seconds this thread has spent runnable but waiting for a CPU (schedstat); None unreadable."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def restore_priority_if_starved(limit_s: float = STARVED_S) -> str | None:
     """After lower_priority: when the calling (main) thread has waited more than `limit_s` for a CPU
     since, give the nice back (threads and py-spy started later inherit it). What was done, or None."""
     if _lowered is None:
         return None
     before, delay0 = _lowered
-    now = _own_run_delay_s()
+    now = procfs.own_run_delay_s()
     if delay0 is None or now is None or now - delay0 <= limit_s:
         return None
     error = restore_priority()

@@ -215,6 +215,16 @@ def thread_from_texts(
 # readers
 
 
+def own_run_delay_s() -> float | None:
+    """Seconds the calling thread has spent runnable but waiting for a CPU (the second field of
+    /proc/thread-self/schedstat, the scheduler's run delay); None where unreadable."""
+    try:
+        with open(PROC / "thread-self" / "schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _read_text(path: Path | str) -> str:
     # One read() of a small /proc file is atomic for the kernel's seq_file. os.open/os.read, not
     # open(): `top` reads four files of every thread each refresh, and a file object costs more
