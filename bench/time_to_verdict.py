@@ -33,6 +33,7 @@ from pathlib import Path
 
 import psutil
 
+from wedgectl.collect import procfs
 from wedgectl.repro import find_config, run_repro
 
 NAMES = ["idle", "healthy", "healthy-loaded", "admission-wedge", "engine-deadlock", "shutdown-hang", "starved"]
@@ -51,9 +52,11 @@ def _run_delays(pid: int, seen: dict[int, float]) -> None:
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                seen[int(tid)] = int(f.read().split()[1]) / 1e9
-        except (OSError, ValueError, IndexError):
-            pass
+                sched = procfs.parse_schedstat(f.read())
+        except OSError:
+            continue
+        if sched:
+            seen[int(tid)] = sched[1] / 1e9
 
 
 def timed_diagnose(pid: int, extra: tuple[str, ...] = ()) -> tuple[float, float, float, str]:

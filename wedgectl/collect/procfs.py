@@ -219,10 +219,10 @@ def own_run_delay_s() -> float | None:
     """Seconds the calling thread has spent runnable but waiting for a CPU (the second field of
     /proc/thread-self/schedstat, the scheduler's run delay); None where unreadable."""
     try:
-        with open(PROC / "thread-self" / "schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
+        sched = parse_schedstat(_read_text(PROC / "thread-self" / "schedstat"))
+    except OSError:
         return None
+    return sched[1] / 1e9 if sched else None
 
 
 def _read_text(path: Path | str) -> str:
