@@ -13,7 +13,13 @@ ratios (traced / the mean of the untraced rounds either side of it):
 - `--vllm`: a serving vLLM server (the managed runtime, the tiny model) kept
   busy by concurrent streams of completions, as repro's StreamSpec drives
   them; throughput is vllm:generation_tokens_total per second, each probe
-  attached to the server's whole process tree.
+  attached to the server's whole process tree. Beside it, the server's CPU
+  per generated token (every thread's schedstat; a tracepoint's program runs
+  in the traced thread, so its cost lands there), and `per-cpu`, tokens per
+  CPU second traced over untraced. A round whose tokens/s fell while its CPU
+  per token rose is slow by the server's own doing (its batches), not because
+  the host took its cores: on the tiny CPU model both swing up to 3x between
+  rounds, traced or not, so neither ratio resolves 1 %.
 
     python bench/probe_overhead.py                    # futexwait+offcpu, then +pylockwait, 4 rounds of 3 s
     python bench/probe_overhead.py --each --vllm      # each probe alone and together, storm and vLLM
@@ -64,6 +70,23 @@ while True:
 """
 
 
+def cpu_ns(pids: tuple[int, ...] | list[int]) -> int:
+    """CPU time of every thread of these processes (schedstat: ns on a CPU), probe programs
+    included: a tracepoint's BPF program runs in the context of the thread that hit it."""
+    total = 0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                pass
+    return total
+
+
 class Workload:
     def __init__(self, pairs: int, work: int = 0) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", WORKLOAD, str(pairs), str(work)], stdout=subprocess.PIPE,
@@ -86,15 +109,7 @@ class Workload:
         return before[-1] if before else None
 
     def cpu_ns(self) -> int:
-        """CPU time of all the workload's threads (schedstat: ns on the CPU), probe programs included:
-        a tracepoint's BPF program runs in the context of the thread that hit it."""
-        total = 0
-        for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
-            try:
-                total += int(Path(f"/proc/{self.proc.pid}/task/{tid}/schedstat").read_text().split()[0])
-            except (OSError, ValueError, IndexError):
-                pass
-        return total
+        return cpu_ns((self.proc.pid,))
 
     def rate(self, t0: float, t1: float) -> float:
         """Hand-offs per second between the first and last counter reading inside [t0, t1]."""
@@ -237,23 +252,30 @@ def vllm_rows(args: argparse.Namespace, configs: list[tuple[str, tuple[str, ...]
     clients = Clients(server.url, cfg, hold_s=120)
     try:
         with httpx.Client(timeout=10.0, trust_env=False) as http:
-            def tokens() -> tuple[float, float] | None:
+            def tokens() -> tuple[float, float, int] | None:
+                """(when, generated tokens, the server's CPU ns): its counter and its threads' CPU."""
                 m = scrape_snapshot(http, server.url)
-                return (time.monotonic(), m.generation_tokens) if m is not None and m.generation_tokens is not None \
-                    else None
+                return (time.monotonic(), m.generation_tokens, cpu_ns(pids)) \
+                    if m is not None and m.generation_tokens is not None else None
 
-            def measure(seconds: float) -> float:
+            def between(a: tuple[float, float, int] | None, b: tuple[float, float, int] | None) -> dict:
+                """tokens/s, and the server's CPU ms per token (a round slow by the host's other load
+                keeps its CPU per token; one slow by the server's own batching does not)."""
+                if a is None or b is None or b[0] <= a[0] or b[1] <= a[1]:
+                    return {"rate": float("nan"), "cpu_ms": float("nan")}
+                return {"rate": (b[1] - a[1]) / (b[0] - a[0]), "cpu_ms": (b[2] - a[2]) / 1e6 / (b[1] - a[1])}
+
+            def untraced() -> dict:
                 a = tokens()
-                time.sleep(seconds)
-                b = tokens()
-                if a is None or b is None or b[0] <= a[0]:
-                    return float("nan")
-                return (b[1] - a[1]) / (b[0] - a[0])
+                time.sleep(args.seconds)
+                return between(a, tokens())
 
             clients.start_now()
             time.sleep(args.warmup)  # streams going, the rate settled
             pids = ebpf.expand_tree([server.pid])
             for label, probes in configs:
+                cpu: dict[bool, list[float]] = {False: [], True: []}
+
                 def traced(probes_: tuple[str, ...] = probes) -> dict:
                     # the window ends by the program's own timer, as diagnose's does
                     run = ebpf.start_probes(pids, "auto", probes=probes_, backend=args.backend,
@@ -265,14 +287,18 @@ def vllm_rows(args: argparse.Namespace, configs: list[tuple[str, tuple[str, ...]
                         b = tokens()
                     finally:
                         records, failures = run.stop()
-                    ok = a is not None and b is not None and b[0] > a[0]
-                    rate = (b[1] - a[1]) / (b[0] - a[0]) if ok else float("nan")
                     header = next((r for r in records if isinstance(r, ProbeResult)), None)
-                    return {"rate": rate, "backend": header.backend if header else None,
+                    return {**between(a, b), "backend": header.backend if header else None,
                             "failures": [f.message for f in failures if f.kind.value != "gone"]}
 
-                off, on, seen = interleaved(args.rounds, lambda: {"rate": measure(args.seconds)}, traced)
-                rows.append({"label": label, "backend": seen[-1].get("backend"), "off": off, "on": on})
+                def side(fn, traced_: bool) -> dict:
+                    r = fn()
+                    cpu[traced_].append(r["cpu_ms"])
+                    return r
+
+                off, on, seen = interleaved(args.rounds, lambda: side(untraced, False), lambda: side(traced, True))
+                rows.append({"label": label, "backend": seen[-1].get("backend"), "off": off, "on": on,
+                             "cpu_off": cpu[False], "cpu_on": cpu[True]})
     finally:
         clients.drain(5.0)
         clients.stop()
@@ -282,18 +308,34 @@ def vllm_rows(args: argparse.Namespace, configs: list[tuple[str, tuple[str, ...]
 
 def print_vllm(args: argparse.Namespace, what: str, rows: list) -> None:
     print(f"serving vLLM (tiny model, managed runtime): {what}")
-    print("throughput = generated tokens/s (vllm:generation_tokens_total); ratio and paired as above")
-    print(f"{'probes':<18} {'backend':<9} {'untraced/s':>10} {'traced/s':>9} {'ratio':>6} {'paired':>6}")
+    print("throughput = generated tokens/s (vllm:generation_tokens_total); ratio and paired as above.")
+    print("cpu ms/tok = the server's CPU (all its threads, probe programs included) per generated token;")
+    print("per-cpu = tokens per CPU second, traced over untraced (paired median). Rounds where both tokens/s")
+    print("and per-token CPU swing are the server's own slow rounds, traced or not")
+    print(f"{'probes':<18} {'backend':<9} {'untraced/s':>10} {'traced/s':>9} {'ratio':>6} {'paired':>6} "
+          f"{'cpu ms/tok':>13} {'per-cpu':>7}")
     for r in rows:
         m_off, m_on = statistics.median(r["off"]), statistics.median(r["on"])
+        c_off, c_on = statistics.median(r["cpu_off"]), statistics.median(r["cpu_on"])
         print(f"{r['label']:<18} {r['backend'] or '-':<9} {m_off:>10,.1f} {m_on:>9,.1f} {m_on / m_off:>6.3f} "
-              f"{statistics.median(paired(r['off'], r['on'])):>6.3f}")
+              f"{statistics.median(paired(r['off'], r['on'])):>6.3f} {c_off:>6.2f}->{c_on:<6.2f} "
+              f"{per_cpu(r):>7.3f}")
         print(f"{'':<18} rounds untraced {[round(x, 1) for x in r['off']]} traced {[round(x, 1) for x in r['on']]}")
+        print(f"{'':<18} cpu ms/tok untraced {[round(x, 2) for x in r['cpu_off']]} "
+              f"traced {[round(x, 2) for x in r['cpu_on']]}")
+
+
+def per_cpu(row: dict) -> float:
+    """Tokens per CPU second of the server, traced over untraced: the paired median (each traced
+    round against the untraced rounds either side of it), from the CPU ms per token of each."""
+    def inv(xs: list[float]) -> list[float]:
+        return [1 / x if x > 0 else float("nan") for x in xs]
+    return statistics.median(paired(inv(row["cpu_off"]), inv(row["cpu_on"])))
 
 
 def print_goals(storm: list, vllm: list) -> None:
     """The issue's two figures, side by side: the paired median ratio against each goal."""
-    print(f"{'workload':<14} {'probes':<18} {'ratio':>6} {'paired':>6} {'goal':>6}")
+    print(f"{'workload':<14} {'probes':<18} {'ratio':>6} {'paired':>6} {'per-cpu':>7} {'goal':>6}")
     for name, rows in (("futex storm", storm), ("serving vLLM", vllm)):
         goal = GOALS["storm" if name == "futex storm" else "vllm"]
         for r in rows:
@@ -301,7 +343,8 @@ def print_goals(storm: list, vllm: list) -> None:
                 continue  # the storm's goal is futexwait's; the other rows are above
             ratio = statistics.median(r["on"]) / statistics.median(r["off"])
             pair = statistics.median(paired(r["off"], r["on"]))
-            print(f"{name:<14} {r['label']:<18} {ratio:>6.3f} {pair:>6.3f} {'>= ' + format(goal, 'g'):>6}")
+            eff = f"{per_cpu(r):.3f}" if "cpu_off" in r and name == "serving vLLM" else "-"
+            print(f"{name:<14} {r['label']:<18} {ratio:>6.3f} {pair:>6.3f} {eff:>7} {'>= ' + format(goal, 'g'):>6}")
 
 
 def main(argv: list[str] | None = None) -> int:

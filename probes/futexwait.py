@@ -18,7 +18,7 @@ CLOCK_MONOTONIC): see wedgectl/collect/procfs.py and probes/README.md.
 Overhead (bench/probe_overhead.py, side by side in one run): on its worst
 case, 4 Python thread pairs handing off through queue.Queue at ~300-400k
 futex calls/s, throughput is 0.71-0.84 of untraced on a 2-vCPU host loaded by
-other work, and the same two tracepoints with an empty program cost as much
+other work (0.89 on the same host idle), and the same two tracepoints with an empty program cost as much
 (0.83-0.89): the cost is the syscall tracepoints themselves (while attached,
 every syscall on the host takes the slow path, and each futex call fills a
 perf trace record), not the program, which runs one map write and one read
@@ -48,7 +48,7 @@ from wedgectl.types import WakeCall
 NAME = "futexwait"
 SUMMARY = "futex waits per thread (address, start, count, total) and FUTEX_WAKE calls per address"
 TRACEPOINTS = ("syscalls:sys_enter_futex", "syscalls:sys_exit_futex")
-FUTEXWAIT_OVERHEAD = ("futex storm, ~300-450k futex calls/s on 2 loaded vCPUs: throughput ratio 0.71-0.84 "
+FUTEXWAIT_OVERHEAD = ("futex storm, ~300-450k futex calls/s on 2 vCPUs: throughput ratio 0.71-0.89 "
                       "traced/untraced, as much as an empty program on the same tracepoints costs; serving vLLM "
                       "(tiny model, 4 streams): ratio 0.99-1.04, within that host's noise; "
                       "bench/probe_overhead.py --each --vllm")
