@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 from wedgectl import probes as programs
-from wedgectl.collect import ebpf, ebpfhost
+from wedgectl.collect import ebpf, ebpfhost, procfs
 from wedgectl.types import ProbeResult, ThreadProbe
 
 GOALS = {"storm": 0.97, "vllm": 0.99}
@@ -73,18 +73,7 @@ while True:
 def cpu_ns(pids: tuple[int, ...] | list[int]) -> int:
     """CPU time of every thread of these processes (schedstat: ns on a CPU), probe programs
     included: a tracepoint's BPF program runs in the context of the thread that hit it."""
-    total = 0
-    for pid in pids:
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
-            except (OSError, ValueError, IndexError):
-                pass
-    return total
+    return sum(oncpu_ns for pid in pids for oncpu_ns, _, _ in procfs.thread_schedstats(pid).values())
 
 
 class Workload:

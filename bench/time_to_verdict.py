@@ -45,18 +45,8 @@ GOAL_CPU_S = 0.5
 def _run_delays(pid: int, seen: dict[int, float]) -> None:
     """Each of pid's threads' run delay so far (schedstat's second field: seconds spent runnable,
     waiting for a CPU), into `seen` by tid; a thread gone since keeps its last reading."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                sched = procfs.parse_schedstat(f.read())
-        except OSError:
-            continue
-        if sched:
-            seen[int(tid)] = sched[1] / 1e9
+    for tid, (_, run_delay_ns, _) in procfs.thread_schedstats(pid).items():
+        seen[tid] = run_delay_ns / 1e9
 
 
 def timed_diagnose(pid: int, extra: tuple[str, ...] = ()) -> tuple[float, float, float, str]:

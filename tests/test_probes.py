@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -205,6 +206,18 @@ def test_read_thread_scheds_on_a_recorded_tree(tmp_path: Path) -> None:
     assert list(states) == [4143] and states[4143].in_futex_wait and states[4143].pid == 4138
     assert states[4143].exec_start_s == pytest.approx(2022.667010839) and states[4143].cpu == 1
     assert {f.kind.value for f in failures} == {"gone"} and {f.target for f in failures} == {"4138", "999"}
+
+
+def test_thread_schedstats_of_a_recorded_tree_and_of_this_process(tmp_path: Path) -> None:
+    d = tmp_path / "4138" / "task"
+    (d / "4143").mkdir(parents=True)
+    (d / "4143" / "schedstat").write_text("63698 460563 5")
+    (d / "4199").mkdir()  # exited mid-read: no schedstat
+    assert procfs.thread_schedstats(4138, tmp_path) == {4143: (63698, 460563, 5)}
+    assert procfs.thread_schedstats(999, tmp_path) == {}
+    spin = sum(range(200_000))  # this thread has run: its on-CPU ns and timeslices are counted
+    mine = procfs.thread_schedstats(os.getpid())
+    assert spin and mine[threading.get_native_id()][0] > 0 and mine[threading.get_native_id()][2] > 0
 
 
 def test_sched_clock_offsets_are_small_and_positive() -> None:

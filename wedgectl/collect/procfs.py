@@ -463,6 +463,25 @@ def parse_schedstat(text: str) -> tuple[int, int, int] | None:
         return None
 
 
+def thread_schedstats(pid: int, proc_root: Path = PROC) -> dict[int, tuple[int, int, int]]:
+    """Each live thread of pid's schedstat (parse_schedstat's triple), by tid; a thread gone or
+    unreadable mid-read is left out, and a pid gone gives {}."""
+    task_dir = f"{proc_root}/{pid}/task"
+    try:
+        tids = [name for name in os.listdir(task_dir) if name.isdigit()]
+    except OSError:
+        return {}
+    out: dict[int, tuple[int, int, int]] = {}
+    for tid in tids:
+        try:
+            sched = parse_schedstat(_read_text(f"{task_dir}/{tid}/schedstat"))
+        except OSError:
+            continue
+        if sched:
+            out[int(tid)] = sched
+    return out
+
+
 @dataclass(frozen=True)
 class ThreadSched:
     """One thread at one edge of a probe window: its ThreadSample and the scheduler's view of it."""
