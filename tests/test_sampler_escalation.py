@@ -238,6 +238,32 @@ def test_the_window_bounds_an_uncertain_capture():
     assert step.stop and step.why == "window over"
 
 
+def test_a_window_whose_scrapes_are_thin_runs_on_up_to_twice_its_length():
+    """The leaked-capacity repro on a loaded host: the first scrape answered, the next one (5.4 s
+    later: our own threads had waited for a CPU) timed out. One scrape measures no rate and no
+    held excess, so the window runs on; at twice its length it stops whatever it has."""
+    from wedgectl.sampler import EXTEND_FACTOR, thin_scrapes
+
+    b = load("leaked-capacity")
+    failed = replace(b.samples[1].metrics, text=None, status=None, error="timeout: body not complete within 4.0s")
+    late = replace(b.samples[1], t=b.samples[0].t + 5.4, metrics=replace(failed, t=b.samples[0].metrics.t + 5.4))
+    thin = replace(b, samples=(b.samples[0], late))
+    f = Facts(thin)
+    assert thin_scrapes(f) and len(f.scrapes) == 1
+    v = classify(thin)
+    assert v.verdict is not VerdictKind.LEAKED_CAPACITY  # what stopping here would have said
+    opts = SamplerOptions(window_s=6.0)
+    step = next_step(v, 2, 5.4, opts, True, True, thin=True)
+    assert not step.stop and step.why.startswith("window extended")
+    assert next_step(v, 2, 5.4, opts, True, True, thin=False).why == "window over"
+    assert next_step(v, 9, opts.window_s * EXTEND_FACTOR - 0.5, opts, True, True, thin=True).why == "window over"
+    # Answered scrapes over MIN_FROZEN_S are not thin, and the recorded capture names the leak.
+    assert not thin_scrapes(Facts(b)) and classify(b).verdict is VerdictKind.LEAKED_CAPACITY
+    # Nothing answered at all is unreachable, not thin: the window is not stretched for it.
+    dead = replace(b, samples=tuple(replace(s, metrics=replace(failed, t=s.t)) for s in b.samples))
+    assert not thin_scrapes(Facts(dead))
+
+
 def test_saturated_server_slow_first_scrape_still_progressing():
     """A saturated API server: the first scrape timed out, the next two moved. Two answered scrapes a
     second apart with the counter rising are enough; the failed one costs no certainty."""
@@ -390,3 +416,33 @@ def test_a_capture_without_its_first_dump_takes_it_before_any_verdict_but_progre
     python = sorted(p.pid for p in procs if p.role is not Role.OTHER or "python" in p.name.lower())
     assert sorted(pid for pid, n in dumps if n == 1) == ([] if kind is VerdictKind.PROGRESSING else python)
     assert len(dumps) == (0 if kind is VerdictKind.PROGRESSING else len(python))
+
+
+RACED = ("error: py-spy exited 1: Error: Failed to get stack traces | Caused by: | "
+         "0: Failed to call get_stack_trace for thread 140051759912896")  # recorded: a busy Worker
+
+
+@pytest.mark.parametrize("outcomes, tries, good", [
+    ([RACED, RACED, RACED, None], 4, True),  # a single dump survives three races in a row
+    ([RACED] * 6, 4, False),  # and gives up after four, keeping the last failure
+    (["permission: py-spy was refused ptrace access", None], 1, False),  # a lasting failure is not retried
+    ([None], 1, True),
+])
+def test_a_raced_dump_is_retried(monkeypatch, outcomes, tries, good):
+    import wedgectl.sampler as sampler
+    from wedgectl.types import StackDump
+
+    calls: list[int] = []
+
+    def fake(pid, native=False, nonblocking=True):
+        err = outcomes[len(calls)]
+        calls.append(pid)
+        return StackDump(pid, 0.0, native, threads=() if err else ({"thread_id": 1, "frames": []},), error=err)
+
+    monkeypatch.setattr(sampler.pyspy, "dump_stacks", fake)
+    monkeypatch.setattr(sampler, "BURST_GAP_S", 0.0)
+    out = sampler._dump_burst(7, False, 1)
+    assert len(calls) == tries and len(out) == 1
+    assert (out[0].error is None) is good
+    if not good:
+        assert out[0].error == outcomes[tries - 1]

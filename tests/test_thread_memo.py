@@ -35,7 +35,12 @@ def test_a_parked_thread_is_reused_and_a_running_one_read_again():
         spinner, parked_tid = (int(x) for x in proc.stdout.readline().split())
         memo = procfs.ThreadMemo()
         first, _ = procfs.read_threads(proc.pid, unchanged=memo)
-        time.sleep(0.5)
+        # On a loaded host the spinner can sit runnable for a while without a CPU: wait (bounded)
+        # until the kernel shows it ran, rather than for a fixed time.
+        ran = procfs.thread_schedstats(proc.pid)[spinner]
+        deadline = time.monotonic() + 30
+        while procfs.thread_schedstats(proc.pid)[spinner][0] == ran[0] and time.monotonic() < deadline:
+            time.sleep(0.1)
         second, _ = procfs.read_threads(proc.pid, unchanged=memo)
         by_tid = {t.tid: t for t in first}
         again = {t.tid: t for t in second}

@@ -42,7 +42,7 @@ def diagnose(
     # readers refuse it, and FIFOs and devices, with one line and exit 21 (README, exit codes)
     log: Annotated[Optional[Path], typer.Option("--log", help="A vLLM server log file.", readable=False)] = None,
     bundle: Annotated[Optional[Path], typer.Option("--bundle", help="Re-classify a saved evidence bundle (directory or .tar.gz).", readable=False)] = None,
-    window: Annotated[float, typer.Option("--window", help="Seconds to sample a live server (stops early once certain).")] = 6.0,
+    window: Annotated[float, typer.Option("--window", help="Seconds to sample a live server (stops early once certain; runs on to twice this while the server answers too few scrapes to measure a rate).")] = 6.0,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between live samples.")] = 1.0,
     save_bundle: Annotated[Optional[Path], typer.Option("--save-bundle", help="Write the evidence to this directory or .tar.gz.")] = None,
     native: Annotated[bool, typer.Option("--native", help="Native stacks too (py-spy pauses the target briefly).")] = False,

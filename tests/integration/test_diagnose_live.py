@@ -74,7 +74,8 @@ def test_idle_server_is_idle_with_stacks_of_every_process(vllm_server, tmp_path)
     dumped = {d.pid for s in b.samples for d in s.stacks if d.error is None and d.threads}
     for pid, role in roles.items():
         if role is not Role.OTHER:
-            assert pid in dumped, f"no stack for {role.value} pid {pid}"
+            why = [f"{d.error}" for s in b.samples for d in s.stacks if d.pid == pid]
+            assert pid in dumped, f"no stack for {role.value} pid {pid}: {why or 'no dump taken'}; notes {b.manifest.notes}"
     engine_dump = next(d for s in b.samples for d in s.stacks if roles.get(d.pid) is Role.ENGINE_CORE)
     names = {f["name"].rsplit(".", 1)[-1] for t in engine_dump.threads for f in t["frames"]}
     assert "run_busy_loop" in names  # the real EngineCore, not a guess from its title

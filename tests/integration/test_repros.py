@@ -26,7 +26,26 @@ def repro(name: str, out: Path, *extra: str) -> tuple[int, dict]:
 
 
 def evidence_text(out: dict) -> str:
-    return " | ".join(e["what"] for e in out["evidence"])
+    """The verdict's evidence, then what each sample of the saved bundle saw: a failing repro's
+    message says why, from the run CI had, not one tried again on another day."""
+    text = " | ".join(e["what"] for e in out["evidence"])
+    try:
+        b = read_bundle(out["bundle"])
+    except Exception as exc:  # the message must not hide the failure it explains
+        return f"{text} || bundle unreadable: {exc!r}"
+    from wedgectl.metrics import parse_metrics
+
+    rows = []
+    for s in b.samples:
+        row = f"{s.t - b.samples[0].t:.1f}s"
+        if s.metrics is not None and s.metrics.ok:
+            m = parse_metrics(s.metrics.text or "")
+            row += f" run {m.running} wait {m.waiting} gen {m.value('vllm:generation_tokens_total')}"
+        elif s.metrics is not None:
+            row += f" scrape: {s.metrics.error or s.metrics.status}"
+        row += " conns " + ",".join(str(p.connections) for p in s.processes if p.role is Role.API_SERVER)
+        rows.append(row)
+    return f"{text} || samples: {'; '.join(rows)} || notes: {'; '.join(b.manifest.notes)}"
 
 
 def test_list_names_every_config():

@@ -87,6 +87,10 @@ def _leaked_capacity_verdict(f: Facts) -> Verdict:
     last = points[-1]
     leaked = min(p.unbacked for p in points)
     fewest = min(p.connections for p in points)
+    most = max(p.connections for p in points)
+    # A keep-alive connection that comes or goes mid-window (uvicorn closes an idle one after 5 s)
+    # moves the count: the leak is the smallest excess, which the last sample alone may not show.
+    conns = f"{last.connections} connection(s)" if fewest == most else f"{fewest}-{most} connections over the window"
     span = last.t - points[0].t
     g = f.gen_tokens
     api = f.api_server
@@ -100,7 +104,7 @@ def _leaked_capacity_verdict(f: Facts) -> Verdict:
             t=_stamp(last.t),
             values={"counted": last.counted, "running": last.running, "waiting": last.waiting,
                     "client_connections": last.connections, "unbacked_min": leaked, "samples": len(points),
-                    "connections_min": fewest},
+                    "connections_min": fewest, "connections_max": most},
         ),
     ]
     facts: dict[str, object] = {"counted": last.counted, "running": last.running, "waiting": last.waiting,
@@ -122,7 +126,7 @@ def _leaked_capacity_verdict(f: Facts) -> Verdict:
     return Verdict(
         VerdictKind.LEAKED_CAPACITY, confidence,
         f"{leaked:.0f} request(s) counted with no client connection behind them "
-        f"({last.counted:.0f} counted, {last.connections} connection(s)); "
+        f"({last.counted:.0f} counted, {conns}); "
         + (f"the engine still spends {g.rate or 0:.0f} tokens/s on them." if g.rate else "the slots they hold are lost."),
         "live_leaked_capacity", tuple(ev),
         (
