@@ -418,6 +418,51 @@ def test_a_capture_without_its_first_dump_takes_it_before_any_verdict_but_progre
     assert len(dumps) == (0 if kind is VerdictKind.PROGRESSING else len(python))
 
 
+@pytest.mark.parametrize("log_grows", [True, False])
+def test_a_log_that_grew_past_progressing_gets_the_stacks_the_stop_skipped(monkeypatch, tmp_path, log_grows):
+    """A leaked-capacity capture on a loaded host (recorded, tests/fixtures/capacity/README.md):
+    one scrape answered, the next timed out, so only the log decided in the window, and its tail
+    as read at the start said "progressing"; no dump was taken. By the end the server had logged
+    two more stats lines, and the log as read then says "starved": that verdict's evidence gets
+    one dump of every Python process. A log that did not grow leaves "progressing", undumped."""
+    import wedgectl.sampler as sampler
+    from wedgectl.discover import Deployment
+
+    b = read_bundle(Path(__file__).parent / "fixtures" / "capacity" / "leaked-capacity-loaded.tar.gz")
+    log = tmp_path / "server.log"
+    log.write_text("".join(line + "\n" for line in b.log_lines[:125]))
+
+    class Growing(RecordedScraper):
+        def metrics(self, url, timeout=None):
+            if self.n == 1 and log_grows:
+                with log.open("a") as f:
+                    f.write("".join(line + "\n" for line in b.log_lines[125:]))
+            return super().metrics(url, timeout)
+
+    procs = with_quiet(b.samples[0], 0.0).processes  # stepping: the first sample takes no dump
+    dep = Deployment(root_pid=procs[0].pid, api_pid=procs[0].pid, roles={p.pid: p.role for p in procs},
+                     base_url="http://127.0.0.1:1", metrics_url="http://127.0.0.1:1/metrics")
+    dumps: list[tuple[int, int]] = []
+    monkeypatch.setattr(sampler, "_collect_processes", lambda dep, tree=None: (procs, []))
+    monkeypatch.setattr(sampler, "_dump_burst", lambda pid, native, n: dumps.append((pid, n)) or [])
+    # The log's stamps are the recorded run's clock: the capture runs on that clock too, or the
+    # log would read as silent since then.
+    import time
+
+    real, shift = time.time, time.time() - b.samples[0].t
+    monkeypatch.setattr(time, "time", lambda: real() - shift)
+    # r2's shape: its second sample began 5.4 s into a 6 s window (the host kept wedgectl off a
+    # CPU), so the window was over before any burst: here an interval past twice the window.
+    options = SamplerOptions(window_s=1.0, interval_s=2.0)
+    out = sampler._capture(dep, dep.root_pid, None, str(log), options, Growing(b), sampler._Probes(dep, options))
+    assert len(out.samples) == 2
+    v = classify(out)
+    assert v.verdict is (VerdictKind.STARVED if log_grows else VerdictKind.PROGRESSING), v.rule
+    assert v.rule.startswith("log_")  # one answered scrape: no live rule could decide
+    python = sorted(p.pid for p in procs if p.role is not Role.OTHER or "python" in p.name.lower())
+    assert sorted(pid for pid, n in dumps if n == 1) == (python if log_grows else [])
+
+
 RACED = ("error: py-spy exited 1: Error: Failed to get stack traces | Caused by: | "
          "0: Failed to call get_stack_trace for thread 140051759912896")  # recorded: a busy Worker
 

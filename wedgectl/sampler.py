@@ -499,6 +499,7 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
     burst_asked = burst_taken = stop = False  # the engine's stack burst: asked for, then in the evidence
     early: tuple[Future, int] | None = None  # that burst, begun when asked for, for the next sample to carry
     dumped_all = False  # the first sample dumped every Python process (not when its engine was stepping)
+    verdict: Verdict | None = None  # the last in-window verdict
     while not stop:
         starved = restore_priority_if_starved()
         if starved:
@@ -572,6 +573,16 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
     # scrape timeout), not waited for.
     log_lines, log_notes = _read_log(log_path, LOG_TAIL_BYTES)
     notes += log_notes
+    if (options.stacks and not dumped_all and not burst_taken and samples and samples[-1].processes
+            and verdict is not None and verdict.verdict is VerdictKind.PROGRESSING and verdict.rule.startswith("log_")):
+        # "progressing" read from a log that grew in the window (the live rules could not decide:
+        # thin scrapes): the log as it is now may say otherwise, and that verdict's evidence gets
+        # the stacks the stop skipped. Live progressing (counters moving) no log can overrule.
+        final = classify(Bundle(manifest, tuple(judged), tuple(log_lines)))
+        if final.verdict is not VerdictKind.PROGRESSING:
+            say(f"the log now reads {final.verdict.value}: stacks of every process")
+            dumps, fails = _collect_stacks(samples[-1].processes, options.native, 1)
+            samples[-1] = replace(samples[-1], stacks=dumps, failures=samples[-1].failures + tuple(fails))
     return Bundle(replace(manifest, notes=tuple(notes)), tuple(samples), log_lines)
 
 
