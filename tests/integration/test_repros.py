@@ -11,6 +11,7 @@ import pytest
 
 from wedgectl.bundle import read_bundle
 from wedgectl.classify import classify
+from wedgectl.sampler import _summarise  # the progress line's summary of a sample
 from wedgectl.types import Role
 
 pytestmark = pytest.mark.integration
@@ -33,18 +34,8 @@ def evidence_text(out: dict) -> str:
         b = read_bundle(out["bundle"])
     except Exception as exc:  # the message must not hide the failure it explains
         return f"{text} || bundle unreadable: {exc!r}"
-    from wedgectl.metrics import parse_metrics
-
-    rows = []
-    for s in b.samples:
-        row = f"{s.t - b.samples[0].t:.1f}s"
-        if s.metrics is not None and s.metrics.ok:
-            m = parse_metrics(s.metrics.text or "")
-            row += f" run {m.running} wait {m.waiting} gen {m.value('vllm:generation_tokens_total')}"
-        elif s.metrics is not None:
-            row += f" scrape: {s.metrics.error or s.metrics.status}"
-        row += " conns " + ",".join(str(p.connections) for p in s.processes if p.role is Role.API_SERVER)
-        rows.append(row)
+    rows = [f"{s.t - b.samples[0].t:.1f}s {_summarise(s)}, conns "
+            + ",".join(str(p.connections) for p in s.processes if p.role is Role.API_SERVER) for s in b.samples]
     return f"{text} || samples: {'; '.join(rows)} || notes: {'; '.join(b.manifest.notes)}"
 
 
