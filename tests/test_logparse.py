@@ -493,7 +493,8 @@ def test_repeated_markers_stay_linear():
         HDR + "with config: " * 5000,
         HDR + "Avg prompt throughput: 1 tokens/s, " * 1800 + "KV cache usage",
     ] * 3
-    start = time.perf_counter()
+    # CPU time of this thread, not wall time: a loaded host holds a thread off a CPU for seconds.
+    start = time.thread_time()
     log = parse_log(lines)
-    assert time.perf_counter() - start < 1.0
+    assert time.thread_time() - start < 1.0
     assert (log.n_recognised, log.stats, log.startup) == (9, (), ())

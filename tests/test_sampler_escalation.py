@@ -418,6 +418,60 @@ def test_a_capture_without_its_first_dump_takes_it_before_any_verdict_but_progre
     assert len(dumps) == (0 if kind is VerdictKind.PROGRESSING else len(python))
 
 
+def test_the_quick_look_is_for_a_first_sample_that_answered_and_does_not_look_hung():
+    from wedgectl.sampler import QUICK_LOOK_S, quick_look
+
+    def first(name):
+        b = load(name)
+        return Facts(replace(b, samples=b.samples[:1]))
+
+    default = SamplerOptions()
+    for name in ("healthy", "idle", "healthy-loaded", "starved"):
+        f = first(name)
+        assert quick_look(f, hang_shaped(f), default), name
+    wedge = first("admission-wedge")  # waiting with none running: its burst goes on the grid
+    assert hang_shaped(wedge) and not quick_look(wedge, True, default)
+    assert not quick_look(first("shutdown-hang"), False, default)  # no scrape answered
+    assert not quick_look(first("healthy"), False, SamplerOptions(interval_s=QUICK_LOOK_S))  # no sooner than asked
+
+
+@pytest.mark.parametrize("name, kind, quick", [("healthy", VerdictKind.PROGRESSING, True),
+                                               ("idle", VerdictKind.IDLE, True),
+                                               ("admission-wedge-short", VerdictKind.ADMISSION_WEDGE, False)])
+def test_a_quick_look_decides_a_serving_or_idle_server_and_leaves_the_grid_to_a_hang(monkeypatch, name, kind, quick):
+    """After the first answer, a serving or idle server's second sample comes QUICK_LOOK_S later, not
+    a second: counters that moved (or nothing in flight) decide it there. A hang-shaped first sample
+    gets no quick look: its second sample waits the interval, and its verdict MIN_FROZEN_S."""
+    import time
+
+    import wedgectl.sampler as sampler
+    from wedgectl.discover import Deployment
+
+    b = load(name)
+    procs = b.samples[0].processes
+    dep = Deployment(root_pid=procs[0].pid, api_pid=procs[0].pid, roles={p.pid: p.role for p in procs},
+                     base_url="http://127.0.0.1:1", metrics_url="http://127.0.0.1:1/metrics")
+    recorded = [s.processes for s in b.samples]  # in order, the last repeated: the CPU each burned
+    monkeypatch.setattr(sampler, "_collect_processes", lambda dep, tree=None: (recorded.pop(0) if len(recorded) > 1 else recorded[0], []))
+    monkeypatch.setattr(sampler, "_dump_burst", lambda pid, native, n: [])
+    begun: list[float] = []
+    real_begin = sampler._begin
+    monkeypatch.setattr(sampler, "_begin", lambda *a, **k: begun.append(time.monotonic()) or real_begin(*a, **k))
+    said: list[str] = []
+    options = SamplerOptions(window_s=3.0, progress=said.append)
+    out = sampler._capture(dep, dep.root_pid, None, None, options, RecordedScraper(b), sampler._Probes(dep, options))
+    assert any("quick look" in m for m in said) is quick
+    v = classify(out)
+    if quick:
+        assert (v.verdict, len(out.samples)) == (kind, 2)
+    else:
+        assert v.verdict is kind and len(out.samples) >= 3
+    # The samples after a quick look are on the first answer's grid: the third (when there is one)
+    # is never due sooner than a whole interval after the first.
+    if len(begun) >= 3:
+        assert begun[2] - begun[0] >= options.interval_s - 0.05
+
+
 @pytest.mark.parametrize("log_grows", [True, False])
 def test_a_log_that_grew_past_progressing_gets_the_stacks_the_stop_skipped(monkeypatch, tmp_path, log_grows):
     """A leaked-capacity capture on a loaded host (recorded, tests/fixtures/capacity/README.md):

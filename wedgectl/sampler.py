@@ -51,7 +51,8 @@ ESCALATE_BURST = 3  # dumps of the EngineCore and each Worker once the cheap evi
 # Verdicts whose certainty can rest on how long a main thread sat parked: what the probes measure.
 PARKED_CLASSES = frozenset({VerdictKind.ENGINE_DEADLOCK, VerdictKind.COLLECTIVE_HANG})
 PROBE_MIN_S = 2.0  # attach the probes only with at least this much window left: they need a window to see waits
-NICE = 5  # below a default-priority server (CFS weight 335 against 1024) while still getting a share on a saturated host
+QUICK_LOOK_S = 0.3  # a serving engine steps every few ms: its counters move many times in this
+NICE = 5  # below a default-priority server in our scheduling group (CFS weight 335 against 1024; docs/design.md) while still getting a share on a saturated host
 
 
 @dataclass(frozen=True)
@@ -364,6 +365,16 @@ def hang_shaped(f: Facts) -> bool:
     return f.running + f.waiting >= 1 and (f.stepless_s or 0.0) >= SUSPECT_STEPLESS_S
 
 
+def quick_look(f: Facts, suspect: bool, options: SamplerOptions) -> bool:
+    """Whether the second sample comes QUICK_LOOK_S after the first answer, ahead of the 1 s grid:
+    the first scrape answered and does not look like a hang. A serving engine takes a step every
+    few milliseconds, so its counters move within QUICK_LOOK_S, and counters that moved are as
+    certain on 0.3 s as on 1 s (as is nothing in flight). What a quick look cannot decide, the
+    grid goes on to decide as before: a hang class needs MIN_FROZEN_S however many samples it
+    gets. A hang-shaped first sample gets none: its burst goes with the sample on the grid."""
+    return bool(f.scrapes) and not suspect and options.interval_s > QUICK_LOOK_S
+
+
 def thin_scrapes(f: Facts) -> bool:
     """The server answers /metrics, but too seldom to measure anything: fewer than two scrapes
     parsed, or spanning less than MIN_FROZEN_S (a saturated API server, or our own threads waiting
@@ -500,6 +511,7 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
     early: tuple[Future, int] | None = None  # that burst, begun when asked for, for the next sample to carry
     dumped_all = False  # the first sample dumped every Python process (not when its engine was stepping)
     verdict: Verdict | None = None  # the last in-window verdict
+    after_quick: float | None = None  # a quick look is due: when the sample after it is (the 1 s grid)
     while not stop:
         starved = restore_priority_if_starved()
         if starved:
@@ -510,7 +522,10 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
             pending.append(_begin(dep, scraper, options, burst, early, first=not samples and not pending,
                                   others=not dumped_all))
             burst, early = 0, None
-            due += options.interval_s
+            if after_quick is not None:  # the quick look begun: back on the grid of the first answer
+                due, after_quick = after_quick, None
+            else:
+                due += options.interval_s
             if due < time.monotonic():  # a slow /proc or py-spy: skip the missed ticks, do not bunch them
                 due = time.monotonic() + options.interval_s
         if not pending:
@@ -545,16 +560,12 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
             suspect = len(samples) == 1 and hang_shaped(facts)
             step = next_step(verdict, len(samples), elapsed, options, burst_taken, probes.started, suspect,
                              thin_scrapes(facts))
+            if not step.stop and len(samples) == 1 and not pending and quick_look(facts, suspect, options):
+                after_quick, due = due, time.monotonic() + QUICK_LOOK_S
+                say(f"quick look in {QUICK_LOOK_S:.1f}s: counters that move by then decide it")
             if step.why:
                 say(step.why)
             if step.stop:
-                if (options.stacks and not dumped_all and not burst_taken and sample.processes
-                        and verdict.verdict is not VerdictKind.PROGRESSING):
-                    # The first dump was left out for a stepping engine, yet the verdict is not
-                    # "progressing": the evidence gets the stacks of every process the first
-                    # sample would have had, on the last sample.
-                    dumps, fails = _collect_stacks(sample.processes, options.native, 1)
-                    samples[-1] = replace(sample, stacks=dumps, failures=sample.failures + tuple(fails))
                 stop = True
                 break
             if step.burst and not burst_asked:
@@ -573,14 +584,19 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
     # scrape timeout), not waited for.
     log_lines, log_notes = _read_log(log_path, LOG_TAIL_BYTES)
     notes += log_notes
-    if (options.stacks and not dumped_all and not burst_taken and samples and samples[-1].processes
-            and verdict is not None and verdict.verdict is VerdictKind.PROGRESSING and verdict.rule.startswith("log_")):
-        # "progressing" read from a log that grew in the window (the live rules could not decide:
-        # thin scrapes): the log as it is now may say otherwise, and that verdict's evidence gets
-        # the stacks the stop skipped. Live progressing (counters moving) no log can overrule.
-        final = classify(Bundle(manifest, tuple(judged), tuple(log_lines)))
+    if options.stacks and not dumped_all and not burst_taken and samples and samples[-1].processes and verdict is not None:
+        # The first dump was left out for a stepping engine and no burst followed. "progressing"
+        # needs no stacks; any other verdict's evidence gets those of every process the first
+        # sample would have had, on the last sample. "progressing" read from a log that grew in
+        # the window (the live rules could not decide: thin scrapes) is read again from the log as
+        # it is now, which may say otherwise. Live progressing (counters moving) no log overrules.
+        final = verdict
+        if verdict.verdict is VerdictKind.PROGRESSING and verdict.rule.startswith("log_"):
+            final = classify(Bundle(manifest, tuple(judged), tuple(log_lines)))
+            if final.verdict is not VerdictKind.PROGRESSING:
+                say(f"the log now reads {final.verdict.value}")
         if final.verdict is not VerdictKind.PROGRESSING:
-            say(f"the log now reads {final.verdict.value}: stacks of every process")
+            say("stacks of every process")
             dumps, fails = _collect_stacks(samples[-1].processes, options.native, 1)
             samples[-1] = replace(samples[-1], stacks=dumps, failures=samples[-1].failures + tuple(fails))
     return Bundle(replace(manifest, notes=tuple(notes)), tuple(samples), log_lines)
