@@ -16,6 +16,11 @@ The goals (issue 14): median seconds to verdict <= 2.0 for idle, admission-wedge
 engine-deadlock and shutdown-hang; <= 3.0 for healthy and starved; <= 5.0 for
 healthy-loaded (8 streams saturating the host); CPU <= 0.5 s per diagnose; every
 verdict right. A loaded host moves the wall seconds; the load average is printed.
+
+With --urgent, each run is followed by one of `diagnose --urgent` (above the server's
+priority: in a session of its own with autogroup nice -10 where autogroup applies), and
+the two medians are printed side by side: how much of the default's wall time is the
+host's scheduling rather than wedgectl's work.
 """
 
 from __future__ import annotations
@@ -51,8 +56,9 @@ def _run_delays(pid: int, seen: dict[int, float]) -> None:
 
 def timed_diagnose(pid: int, extra: tuple[str, ...] = ()) -> tuple[float, float, float, str]:
     """(wall s, CPU s of wedgectl and its children, s wedgectl waited for a CPU, verdict) of one
-    `wedgectl diagnose --pid`. The wait is read from the kernel every 50 ms while it runs: on a
-    saturated host it, not wedgectl's own work, is most of the wall time."""
+    `wedgectl diagnose --pid`. The wait is read from the kernel every 50 ms while it runs (every
+    thread of the process, and of its child with --urgent): on a saturated host it, not wedgectl's
+    own work, is most of the wall time."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     p = subprocess.Popen([sys.executable, "-m", "wedgectl", "diagnose", "--pid", str(pid), "--json", "-q", *extra],
@@ -60,6 +66,8 @@ def timed_diagnose(pid: int, extra: tuple[str, ...] = ()) -> tuple[float, float,
     waits: dict[int, float] = {}
     while p.poll() is None and time.monotonic() - t0 < 120:
         _run_delays(p.pid, waits)
+        for kid in _children(p.pid):  # --urgent goes on in a child
+            _run_delays(kid, waits)
         time.sleep(0.05)
     try:
         stdout, _ = p.communicate(timeout=max(1.0, 120 - (time.monotonic() - t0)))
@@ -74,6 +82,13 @@ def timed_diagnose(pid: int, extra: tuple[str, ...] = ()) -> tuple[float, float,
     except (ValueError, KeyError):
         verdict = f"error {p.returncode}"
     return wall, cpu, sum(waits.values()), verdict
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [c.pid for c in psutil.Process(pid).children()]
+    except psutil.Error:
+        return []
 
 
 def kill_session(pid: int) -> None:
@@ -91,20 +106,39 @@ def kill_session(pid: int) -> None:
         time.sleep(0.2)
 
 
-def bench_config(name: str, runs: int, out: Path, extra: tuple[str, ...] = ()) -> dict:
+def bench_config(name: str, runs: int, out: Path, extra: tuple[str, ...] = (), urgent: bool = False) -> dict:
     cfg = find_config(name)
     result = run_repro(cfg, out_dir=out / name, keep=True, progress=lambda m: None)
+    grouped = []
     try:
-        got = [timed_diagnose(result.pid, extra) for _ in range(runs)]
+        got = []
+        for _ in range(runs):  # the default, then (with --urgent) `diagnose --urgent`: interleaved
+            got.append(timed_diagnose(result.pid, extra))
+            if urgent:
+                grouped.append(timed_diagnose(result.pid, ("--urgent",)))
     finally:
         kill_session(result.pid)
     walls, cpus, waits, verdicts = zip(*got)
-    return {"name": name, "expected": cfg.expected, "verdicts": list(verdicts),
-            "median_s": round(statistics.median(walls), 2), "median_cpu_s": round(statistics.median(cpus), 3),
-            "median_cpu_wait_s": round(statistics.median(waits), 2),
-            "right": sum(v == cfg.expected for v in verdicts), "runs": len(verdicts),
-            "goal_s": GOAL_S.get(name), "load_avg": round(psutil.getloadavg()[0], 1),
-            "priority": "same" if extra else "low"}
+    row = {"name": name, "expected": cfg.expected, "verdicts": list(verdicts),
+           "median_s": round(statistics.median(walls), 2), "median_cpu_s": round(statistics.median(cpus), 3),
+           "median_cpu_wait_s": round(statistics.median(waits), 2),
+           "right": sum(v == cfg.expected for v in verdicts), "runs": len(verdicts),
+           "goal_s": GOAL_S.get(name), "load_avg": round(psutil.getloadavg()[0], 1),
+           "priority": "same" if extra else "low"}
+    if grouped:
+        g_walls, _, g_waits, g_verdicts = zip(*grouped)
+        row |= {"urgent_verdicts": list(g_verdicts),
+                "urgent_median_s": round(statistics.median(g_walls), 2),
+                "urgent_median_cpu_wait_s": round(statistics.median(g_waits), 2),
+                "urgent_right": sum(v == cfg.expected for v in g_verdicts)}
+    return row
+
+
+def autogroup_on() -> bool:
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return False
 
 
 def byte_compile() -> None:
@@ -126,12 +160,15 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--same-priority", action="store_true",
                     help="diagnose at the server's priority (default: nice +5, idle I/O, as shipped)")
+    ap.add_argument("--urgent", action="store_true",
+                    help="also time `diagnose --urgent` after each run (interleaved), side by side: above the "
+                         "server's priority, in a session of its own where autogroup applies (docs/design.md)")
     args = ap.parse_args()
     extra = ("--same-priority",) if args.same_priority else ()
     byte_compile()
     rows = []
     for name in args.names:
-        row = bench_config(name, args.runs, args.out, extra)
+        row = bench_config(name, args.runs, args.out, extra, args.urgent)
         rows.append(row)
         if args.json:
             print(json.dumps(row), flush=True)
@@ -139,10 +176,15 @@ def main() -> int:
             print(f"{name:<16} expected {row['expected']:<16} verdicts {','.join(row['verdicts']):<50} "
                   f"wall {row['median_s']:5.2f} s  cpu {row['median_cpu_s']:5.2f} s  "
                   f"waited for a cpu {row['median_cpu_wait_s']:5.2f} s", flush=True)
+            if "urgent_median_s" in row:
+                print(f"{'':<16} --urgent: verdicts {','.join(row['urgent_verdicts'])} "
+                      f"wall {row['urgent_median_s']:5.2f} s  waited for a cpu {row['urgent_median_cpu_wait_s']:5.2f} s",
+                      flush=True)
     cores = psutil.cpu_count() or 1
     if args.json:
         print(json.dumps({"goals": {"median_s": GOAL_S, "median_cpu_s": GOAL_CPU_S},
-                          "cores": cores, "load_avg_end": round(psutil.getloadavg()[0], 1)}))
+                          "cores": cores, "load_avg_end": round(psutil.getloadavg()[0], 1),
+                          "autogroup": autogroup_on()}))
         return 0
     print()
     print(f"{'config':<16} {'median s':>9} {'goal s':>7} {'waited s':>9} {'median CPU s':>13} {'goal':>5} {'right':>6}  load")
@@ -150,6 +192,14 @@ def main() -> int:
         goal = f"{r['goal_s']:.1f}" if r["goal_s"] is not None else "-"
         print(f"{r['name']:<16} {r['median_s']:>9.2f} {goal:>7} {r['median_cpu_wait_s']:>9.2f} {r['median_cpu_s']:>13.2f} "
               f"{GOAL_CPU_S:>5.1f} {r['right']:>3}/{r['runs']:<2}  {r['load_avg']:.1f} on {cores} cores")
+    if args.urgent:
+        print()
+        print(f"diagnose --urgent, each run right after one of the above (autogroup {'on' if autogroup_on() else 'off'}):")
+        print(f"{'config':<16} {'median s':>9} {'waited s':>9} {'right':>6}  {'default/urgent':>14}")
+        for r in rows:
+            ratio = r["median_s"] / r["urgent_median_s"] if r["urgent_median_s"] else float("nan")
+            print(f"{r['name']:<16} {r['urgent_median_s']:>9.2f} {r['urgent_median_cpu_wait_s']:>9.2f} "
+                  f"{r['urgent_right']:>3}/{r['runs']:<2}  {ratio:>14.2f}")
     return 0
 
 

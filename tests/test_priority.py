@@ -67,3 +67,52 @@ def test_the_nice_is_given_back_once_the_target_is_sampled():
     low, back, err, again = r.stdout.strip().split("|")
     assert int(low) == NICE and again == "None"
     assert (int(back), err) == ((0, "None") if os.geteuid() == 0 else (NICE, err))
+
+
+# --urgent (sampler.raise_priority): which scheduling group the kernel puts wedgectl in.
+
+V1 = "9:name=systemd:/\n4:memory:/process_api/83707dcfe83d\n2:cpuacct:/\n1:cpu:/\n0::/\n"  # recorded: this project's VM
+V1_JOINT = "12:cpu,cpuacct:/docker/4f1c\n1:name=systemd:/docker/4f1c\n"
+V2 = "0::/user.slice/user-0.slice/session-3.scope\n"
+
+
+def test_the_cpu_cgroup_is_read_from_v1_or_v2_lines():
+    from wedgectl.collect.procfs import cpu_cgroup
+
+    assert cpu_cgroup(V1) == "/"
+    assert cpu_cgroup(V1_JOINT) == "/docker/4f1c"
+    assert cpu_cgroup(V2) == "/user.slice/user-0.slice/session-3.scope"
+    assert cpu_cgroup("0::/\n") == "/"
+    assert cpu_cgroup("garbage\n\n3:memory:/x\n") is None
+
+
+def _proc(tmp_path, enabled: str | None, cgroup: str):
+    root = tmp_path / "proc"
+    (root / "self").mkdir(parents=True)
+    (root / "self" / "cgroup").write_text(cgroup)
+    if enabled is not None:
+        (root / "sys" / "kernel").mkdir(parents=True)
+        (root / "sys" / "kernel" / "sched_autogroup_enabled").write_text(enabled + "\n")
+    return root
+
+
+def test_autogroup_applies_only_when_on_and_in_the_root_cpu_cgroup(tmp_path):
+    from wedgectl.collect.procfs import autogroup_applies
+
+    assert autogroup_applies(_proc(tmp_path / "a", "1", V1))
+    assert not autogroup_applies(_proc(tmp_path / "b", "0", V1))  # switched off
+    assert not autogroup_applies(_proc(tmp_path / "c", "1", V1_JOINT))  # a container: cpu.weight decides
+    assert not autogroup_applies(_proc(tmp_path / "d", "1", V2))  # a systemd session scope
+    assert not autogroup_applies(_proc(tmp_path / "e", None, V1))  # a kernel without autogroup
+
+
+def test_the_own_autogroup_nice_is_written_or_its_error_said(tmp_path):
+    from wedgectl.collect.procfs import set_own_autogroup_nice
+
+    root = _proc(tmp_path, "1", V1)
+    (root / "self" / "autogroup").write_text("/autogroup-7 nice 0\n")
+    assert set_own_autogroup_nice(-10, root) is None
+    assert (root / "self" / "autogroup").read_text().startswith("-10")
+    (root / "self" / "autogroup").unlink()
+    (root / "self" / "autogroup").mkdir()  # unwritable: the reason comes back, nothing raises
+    assert "/proc/self/autogroup" in set_own_autogroup_nice(-10, root)

@@ -639,3 +639,38 @@ def _stop_all() -> None:
     for server in list(_live):
         with contextlib.suppress(Exception):
             stop_server(server, grace=2)
+
+
+def detach_into_own_session() -> None:
+    """Go on in a child that leads a session of its own (and, with autogroup, a scheduling group
+    of its own); the caller's process waits for it and exits with its status, never returning.
+
+    setsid() refuses a process group leader, which a command started from a shell is, hence
+    the fork (no new interpreter: the child is this one, before any thread starts). The
+    terminal's signals reach the parent, the foreground process: SIGINT, SIGTERM, SIGHUP and
+    SIGQUIT are passed on to the child (send_signal), which handles them as it would have."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        return
+
+    planned = Planned.now(child)  # ours and not yet reaped: its pid cannot name another process
+
+    def forward(signum: int, _frame: object) -> None:
+        send_signal(planned, signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, forward)
+    while True:
+        try:
+            _, status = os.waitpid(child, 0)
+            break
+        except InterruptedError:
+            continue
+    if os.WIFSIGNALED(status):
+        os._exit(128 + os.WTERMSIG(status))
+    os._exit(os.WEXITSTATUS(status))

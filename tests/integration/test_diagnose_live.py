@@ -216,3 +216,47 @@ def test_metrics_page_that_is_not_prometheus(html_server):
     r = wedgectl("diagnose", "--url", html_server, "--window", "2")
     assert r.returncode == exitcodes.BAD_METRICS, r.stderr
     assert "not Prometheus" in r.stderr
+
+
+def _autogroup_nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/autogroup").read_text().split("nice")[1])
+
+
+def test_urgent_samples_in_a_session_of_its_own_and_passes_on_ctrl_c(silent_port):
+    """--urgent where autogroup applies (this VM: on, every process in the root cgroup): the capture
+    goes on in a child leading a session of its own, whose autogroup has nice -10, while the
+    operator's session keeps its own; a SIGINT to the command (the terminal's foreground process)
+    reaches the capture, and the command exits as the capture does."""
+    from wedgectl.collect.procfs import autogroup_applies
+
+    assert autogroup_applies(), "this host's kernel groups by session (kernel.sched_autogroup_enabled=1, root cgroup)"
+    p = subprocess.Popen([sys.executable, "-m", "wedgectl", "diagnose", "--url", f"http://127.0.0.1:{silent_port}",
+                          "--window", "30", "--urgent"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        child = None
+        while child is None and time.monotonic() < deadline and p.poll() is None:
+            kids = psutil.Process(p.pid).children()
+            child = kids[0].pid if kids else None
+            time.sleep(0.1)
+        assert child is not None, p.communicate(timeout=30)
+        while time.monotonic() < deadline and _autogroup_nice(child) != -10:
+            time.sleep(0.1)  # the child writes its autogroup's nice just after setsid
+        assert os.getsid(child) == child != os.getsid(p.pid)
+        assert _autogroup_nice(child) == -10
+        assert _autogroup_nice(p.pid) == _autogroup_nice(os.getpid())  # the session it came from is left as it was
+        time.sleep(1.0)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == exitcodes.INTERRUPTED, err  # the capture's Ctrl-C exit, passed back by the command
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+def test_urgent_verdict_and_exit_code_come_back_through_the_session(vllm_server, tmp_path):
+    rc, out = diagnose_json("--pid", str(vllm_server.pid), "--urgent", "--save-bundle", str(tmp_path / "u.tar.gz"))
+    assert (out["verdict"], rc) == ("idle", 0)
+    notes = read_bundle(tmp_path / "u.tar.gz").manifest.notes
+    assert any("--urgent: sampling in a session of its own, autogroup nice -10" in n for n in notes), notes

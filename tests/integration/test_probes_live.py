@@ -164,11 +164,15 @@ def test_wait_begun_in_window_and_who_woke_which_address(spawn: Callable[..., Ta
     assert stuck["futex_addr"] == _proc_futex(target.pid, info["stuck"])
     assert abs(stuck["wait_s"] - (t_done - t_parking)) < 1.0, (stuck["wait_s"], t_done - t_parking)
     assert stuck["wakes_on_addr"] == 0
-    # the pinged thread's lock is released by main every 50 ms: main shows as its waker
-    assert pinged["waits"] >= 20 and pinged["wakes_on_addr"] >= 20 and pinged["wakers"] == [info["main"]]
+    # the pinged thread's lock is released by main every 50 ms: main shows as its waker. A release
+    # calls FUTEX_WAKE only while the pinged thread is back in its wait, and on a loaded host main's
+    # 50 ms sleeps stretch and the pinged thread waits for a CPU before it waits on the lock again
+    # (measured at load 15: 19 wakes in 4.8 s, not ~96): the counts are bounded below loosely, the
+    # waker exactly.
+    assert pinged["waits"] >= 5 and pinged["wakes_on_addr"] >= 5 and pinged["wakers"] == [info["main"]]
     assert pinged["total_wait_s"] > 0.5 * pinged["window_s"]
     rows = [w for w in _header(records)["wakes"] if w["addr"] == pinged["futex_addr"]]
-    assert rows and rows[0]["waker"] == info["main"] and rows[0]["woken"] >= 20
+    assert rows and rows[0]["waker"] == info["main"] and rows[0]["woken"] >= 5
 
 
 @needs_ebpf

@@ -648,3 +648,49 @@ def main_thread_quiet_s(pid: int, proc_root: Path = PROC, clock: SchedClock | No
     if offset is None:
         return None
     return max(0.0, time.monotonic() - (es + offset))
+
+
+# ---------------------------------------------------------------------------
+# scheduling groups (sampler.raise_priority)
+
+
+def cpu_cgroup(text: str) -> str | None:
+    """The cpu controller's cgroup path in a /proc/PID/cgroup text: the v1 line naming `cpu`
+    among its controllers, else the v2 line (`0::PATH`); None when neither is there."""
+    v2 = None
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            v2 = parts[2]
+        elif "cpu" in parts[1].split(","):
+            return parts[2]
+    return v2
+
+
+def autogroup_applies(proc_root: Path = PROC) -> bool:
+    """Whether the kernel groups this process by session (autogroup): it is on
+    (kernel.sched_autogroup_enabled) and the process is in the root cpu cgroup, the only
+    place autogroup acts. Then CPU is shared between sessions by their autogroup's nice, and
+    a task's nice ranks it only inside its session."""
+    try:
+        if _read_text(proc_root / "sys" / "kernel" / "sched_autogroup_enabled").strip() != "1":
+            return False
+        return cpu_cgroup(_read_text(proc_root / "self" / "cgroup")) == "/"
+    except OSError:
+        return False
+
+
+def set_own_autogroup_nice(nice: int, proc_root: Path = PROC) -> str | None:
+    """Give this process's session (its autogroup) nice `nice`; why it could not, or None.
+    A nice below the current one needs CAP_SYS_NICE."""
+    try:
+        fd = os.open(proc_root / "self" / "autogroup", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, str(nice).encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return f"/proc/self/autogroup: {exc.strerror or exc}"
+    return None
