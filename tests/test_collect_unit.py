@@ -1,4 +1,4 @@
-"""Unit tests for the collectors on recorded /proc text, fake runners and httpx.MockTransport."""
+"""Unit tests for the collectors on recorded /proc text and fake runners (scrapes: tests/test_scrape.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import json
 import subprocess
 from pathlib import Path
 
-import httpx
 import pytest
 
 from wedgectl.collect import procfs, pyspy, scrape
@@ -399,72 +398,6 @@ def test_dump_stacks_not_python_and_bad_json(pyspy_found: None) -> None:
 def test_stack_failure_without_prefix() -> None:
     f = pyspy.stack_failure(StackDump(pid=5, t=0.0, error="something odd"))
     assert f.kind is FailureKind.ERROR and f.message == "something odd" and f.target == "5"
-
-
-# --- scrape with httpx.MockTransport -----------------------------------------
-
-METRICS = "# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
-
-
-def _transport(handler) -> httpx.MockTransport:
-    return httpx.MockTransport(handler)
-
-
-def test_scrape_ok() -> None:
-    t = _transport(lambda r: httpx.Response(200, text=METRICS, headers={"content-type": "text/plain; version=0.0.4"}))
-    s = scrape.scrape_metrics("http://127.0.0.1:8000/metrics", transport=t)
-    assert s.ok and s.status == 200 and s.text == METRICS and s.error is None and s.elapsed_s >= 0
-
-
-def test_scrape_500_keeps_status_and_body() -> None:
-    t = _transport(lambda r: httpx.Response(500, text="Internal Server Error"))
-    s = scrape.scrape_metrics("http://h/metrics", transport=t)
-    assert not s.ok and s.status == 500 and s.text == "Internal Server Error" and "500" in s.error
-
-
-def test_scrape_timeout() -> None:
-    def handler(request: httpx.Request) -> httpx.Response:
-        raise httpx.ReadTimeout("timed out", request=request)
-
-    s = scrape.scrape_metrics("http://h/metrics", timeout=0.2, transport=_transport(handler))
-    assert s.status is None and s.error.startswith("timeout")
-
-
-def test_scrape_connection_refused() -> None:
-    def handler(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
-
-    s = scrape.scrape_metrics("http://h/metrics", transport=_transport(handler))
-    assert s.status is None and s.error.startswith("unreachable") and "refused" in s.error
-
-
-def test_scrape_non_text() -> None:
-    t = _transport(lambda r: httpx.Response(200, content=b"\x89PNG\r\n\x1a\n\x00", headers={"content-type": "image/png"}))
-    s = scrape.scrape_metrics("http://h/metrics", transport=t)
-    assert s.status == 200 and s.text is None and not s.ok and s.error.startswith("bad_data")
-    t = _transport(lambda r: httpx.Response(200, content=b"\xff\xfe\x00bad"))
-    assert scrape.scrape_metrics("http://h/metrics", transport=t).error.startswith("bad_data")
-
-
-def test_scrape_bad_url_never_raises() -> None:
-    s = scrape.scrape_metrics("ftp://h/metrics")
-    assert s.status is None and s.error
-
-
-def test_probe_health() -> None:
-    assert scrape.probe_health("http://h:8000", transport=_transport(lambda r: httpx.Response(200))) == (200, None)
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        assert request.url.path == "/health"
-        return httpx.Response(503)
-
-    assert scrape.probe_health("h:8000/v1", transport=_transport(handler)) == (503, None)
-
-    def refuse(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("refused", request=request)
-
-    status, error = scrape.probe_health("http://h:8000", transport=_transport(refuse))
-    assert status is None and error.startswith("unreachable")
 
 
 @pytest.mark.parametrize(

@@ -23,17 +23,19 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 # Re-exported for run_bounded's callers, so that only this module and collect/ import subprocess.
 from subprocess import DEVNULL, STDOUT, CompletedProcess, SubprocessError, TimeoutExpired
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import psutil
 
 from wedgectl import exitcodes, shm
 from wedgectl.collect import procfs, procread
 from wedgectl.collect.target import Credentials
 from wedgectl.errors import WedgectlError
+
+if TYPE_CHECKING:  # httpx is imported where a server is started and waited on, not by diagnose
+    import httpx
 
 HEALTH_POLL_S = 0.5
 HEALTH_CAP_FACTOR = 3  # wait_healthy's bound on a start whose log keeps growing: 3 x its quiet timeout
@@ -196,6 +198,8 @@ def _log_opener(path: Path) -> Callable[[], None]:
 
 def health_status(client: httpx.Client, url: str) -> int | None:
     """The status code of one GET url/health; None when nothing answered."""
+    import httpx
+
     try:
         return client.get(f"{url}/health").status_code
     except httpx.HTTPError:
@@ -205,6 +209,8 @@ def health_status(client: httpx.Client, url: str) -> int | None:
 def health_client() -> httpx.Client:
     """A client for the local server: trust_env=False, since a proxy from the environment
     (HTTP_PROXY without a NO_PROXY for it) would turn a healthy local server into an error."""
+    import httpx
+
     return httpx.Client(timeout=HEALTH_REQUEST_S, trust_env=False)
 
 

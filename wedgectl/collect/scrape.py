@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import http.client
 import time
 from urllib.parse import urlsplit, urlunsplit
-
-import httpx
 
 from wedgectl.redact import redact_url
 from wedgectl.types import FailureKind, MetricsScrape
@@ -49,70 +48,135 @@ def health_url_for(base: str) -> str:
     return urlunsplit((scheme, netloc, "/health", "", ""))
 
 
-def _timeout(timeout: float) -> httpx.Timeout:
-    return httpx.Timeout(timeout, connect=min(timeout, 1.0))
+CONNECT_S = 1.0  # a connect (and TLS handshake) gets at most this much of the timeout
+READ_CHUNK = 64 * 1024
+_tls_context = None  # built on the first https scrape: loading the CA store costs more CPU than a loopback scrape
 
 
-def _client(timeout: float, transport: httpx.BaseTransport | None) -> httpx.Client:
-    return httpx.Client(
-        transport=transport,
-        timeout=_timeout(timeout),
-        # No kept connection: between scrapes wedgectl holds no socket, so the /proc reading of the
-        # server's sockets (collect.processes, which sets ours apart) finds none of ours to match
-        # against the host's whole TCP table. A loopback connect costs far less than that read.
-        limits=httpx.Limits(max_keepalive_connections=0),
-        follow_redirects=False,
-        trust_env=False,  # HTTP(S)_PROXY must not reroute a loopback scrape
-    )
+class _Refused(Exception):
+    """Why a URL is not fetched at all (a scheme or host wedgectl does not speak to)."""
 
 
-def _error_for(exc: BaseException, timeout: float) -> str:
-    if isinstance(exc, httpx.TimeoutException):
-        return f"{FailureKind.TIMEOUT.value}: no answer within {timeout:.1f}s ({type(exc).__name__})"
-    if isinstance(exc, httpx.ConnectError):
-        return f"{FailureKind.UNREACHABLE.value}: {exc or 'connection failed'}"
-    if isinstance(exc, (httpx.RemoteProtocolError, httpx.DecodingError)):
+def _tls():  # noqa: ANN202 - ssl is imported only when a target speaks TLS
+    global _tls_context
+    if _tls_context is None:
+        import ssl
+
+        _tls_context = ssl.create_default_context()
+    return _tls_context
+
+
+def _connect(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
+    """An open connection to url's host (connect bounded by CONNECT_S) and the request path.
+    The standard library's client: no proxy from the environment (a loopback scrape must not be
+    rerouted), no redirects followed, no connection kept between scrapes (between them wedgectl
+    holds no socket, so collect.processes finds none of ours among the server's), and a fraction
+    of the CPU and import time of a general-purpose client."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https"):
+        raise _Refused(f"unsupported scheme {parts.scheme!r} (http or https)")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError as exc:
+        raise _Refused(str(exc)) from None
+    if not host:
+        raise _Refused("no host")
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    connect_s = min(timeout, CONNECT_S)
+    if scheme == "https":
+        conn: http.client.HTTPConnection = http.client.HTTPSConnection(host, port, timeout=connect_s, context=_tls())
+    else:
+        conn = http.client.HTTPConnection(host, port, timeout=connect_s)
+    try:
+        conn.connect()
+    except BaseException:
+        conn.close()
+        raise
+    return conn, path
+
+
+def _get(conn: http.client.HTTPConnection, path: str, deadline: float) -> http.client.HTTPResponse:
+    """Send GET path and read the status line and headers, within the deadline."""
+    sock = conn.sock
+    sock.settimeout(max(0.001, deadline - time.monotonic()))
+    conn.putrequest("GET", path, skip_accept_encoding=True)  # identity: nothing to inflate
+    conn.putheader("Accept", "text/plain, */*")
+    conn.putheader("Connection", "close")
+    conn.putheader("User-Agent", "wedgectl")
+    conn.endheaders()
+    resp = conn.getresponse()
+    resp._wedgectl_sock = sock  # type: ignore[attr-defined] - getresponse may drop conn.sock; the reads still use it
+    return resp
+
+
+def _error_for(exc: BaseException, timeout: float, connected: bool) -> str:
+    if isinstance(exc, _Refused):
+        return f"{FailureKind.ERROR.value}: bad URL: {exc}"
+    if isinstance(exc, TimeoutError):  # socket.timeout is TimeoutError
+        what = "ReadTimeout" if connected else "ConnectTimeout"
+        return f"{FailureKind.TIMEOUT.value}: no answer within {timeout:.1f}s ({what})"
+    if isinstance(exc, http.client.HTTPException):  # a bad status line, headers, or a cut-off body
         return f"{FailureKind.BAD_DATA.value}: {type(exc).__name__}: {exc}"
-    if isinstance(exc, (httpx.InvalidURL, httpx.UnsupportedProtocol)):
+    if isinstance(exc, OSError) and not connected:  # refused, no route, no such host
+        return f"{FailureKind.UNREACHABLE.value}: {exc or 'connection failed'}"
+    if isinstance(exc, (ConnectionError, OSError)):
+        return f"{FailureKind.ERROR.value}: {type(exc).__name__}: {exc}"
+    if isinstance(exc, (UnicodeError, ValueError)):
         return f"{FailureKind.ERROR.value}: bad URL: {exc}"
     return f"{FailureKind.ERROR.value}: {type(exc).__name__}: {exc}"
 
 
-def scrape_metrics(url: str, timeout: float = 2.0, transport: httpx.BaseTransport | None = None,
-                   client: httpx.Client | None = None) -> MetricsScrape:
+def scrape_metrics(url: str, timeout: float = 2.0) -> MetricsScrape:
     """One GET of ``url``. The whole call ends within about ``timeout`` (connect at most 1 s,
     and the body is abandoned once the deadline passes). ``error`` starts with a
     FailureKind value; a non-200 answer keeps its status and body and says so in ``error``.
-    ``client`` (a `Scraper`'s) is reused; without one, a client is built for this call.
     """
-    if client is None:
-        with _client(timeout, transport) as own:
-            return scrape_metrics(url, timeout, client=own)
     start = time.monotonic()
     deadline = start + timeout
     status: int | None = None
+    conn: http.client.HTTPConnection | None = None
     try:
-        with client.stream("GET", url, timeout=_timeout(timeout)) as resp:
-            status = resp.status_code
-            ctype = resp.headers.get("content-type", "")
-            chunks: list[bytes] = []
-            size = 0
-            for chunk in resp.iter_bytes():
-                chunks.append(chunk)
-                size += len(chunk)
-                if size > MAX_BODY_BYTES:
-                    return _done(url, start, status, error=f"{FailureKind.BAD_DATA.value}: body over {MAX_BODY_BYTES} bytes")
-                if time.monotonic() > deadline:
-                    return _done(url, start, status, error=f"{FailureKind.TIMEOUT.value}: body not complete within {timeout:.1f}s")
-            body = b"".join(chunks)
+        conn, path = _connect(url, timeout)
+        resp = _get(conn, path, deadline)
+        status = resp.status
+        ctype = resp.getheader("content-type", "") or ""
+        encoding = (resp.getheader("content-encoding", "") or "").strip().lower()
+        if encoding not in ("", "identity"):
+            return _done(url, start, status, error=f"{FailureKind.BAD_DATA.value}: content-encoding {encoding!r} not asked for")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return _done(url, start, status, error=f"{FailureKind.TIMEOUT.value}: body not complete within {timeout:.1f}s")
+            resp._wedgectl_sock.settimeout(left)  # type: ignore[attr-defined]
+            try:
+                chunk = resp.read1(READ_CHUNK)
+            except TimeoutError:
+                return _done(url, start, status, error=f"{FailureKind.TIMEOUT.value}: body not complete within {timeout:.1f}s")
+            if not chunk:
+                if resp.length:  # the connection closed before Content-Length's bytes came
+                    return _done(url, start, status, error=f"{FailureKind.BAD_DATA.value}: body cut off: "
+                                 f"{size} of the {size + resp.length} bytes announced")
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                return _done(url, start, status, error=f"{FailureKind.BAD_DATA.value}: body over {MAX_BODY_BYTES} bytes")
+        body = b"".join(chunks)
+        charset = resp.headers.get_content_charset() or "utf-8"
     except Exception as exc:  # noqa: BLE001 - never raise: the failure is the data
-        return _done(url, start, status, error=_error_for(exc, timeout))
+        return _done(url, start, status, error=_error_for(exc, timeout, status is not None or conn is not None))
+    finally:
+        if conn is not None:
+            conn.close()
 
     mime = ctype.split(";", 1)[0].strip().lower()
     if mime and not mime.startswith(_TEXT_TYPES):
         return _done(url, start, status, error=f"{FailureKind.BAD_DATA.value}: content-type {mime!r} is not text")
     try:
-        text = body.decode(resp.encoding or "utf-8")
+        text = body.decode(charset)
     except (UnicodeDecodeError, LookupError):
         return _done(url, start, status, error=f"{FailureKind.BAD_DATA.value}: body is not valid text")
     if "\x00" in text:
@@ -127,41 +191,39 @@ def _done(url: str, start: float, status: int | None, text: str | None = None, e
     )
 
 
-def probe_health(
-    base_url: str, timeout: float = 2.0, transport: httpx.BaseTransport | None = None,
-    client: httpx.Client | None = None,
-) -> tuple[int | None, str | None]:
+def probe_health(base_url: str, timeout: float = 2.0) -> tuple[int | None, str | None]:
     """GET /health: (status, None) for any answer, (None, error) for none. vLLM answers
     200 while its engine lives and 503 once the engine is dead."""
-    if client is None:
-        with _client(timeout, transport) as own:
-            return probe_health(base_url, timeout, client=own)
-    url = health_url_for(base_url)
+    conn: http.client.HTTPConnection | None = None
     try:
-        with client.stream("GET", url, timeout=_timeout(timeout)) as resp:
-            return resp.status_code, None  # the body is not needed: don't wait for it
+        url = health_url_for(base_url)
+        conn, path = _connect(url, timeout)
+        return _get(conn, path, time.monotonic() + timeout).status, None  # the body is not needed: don't wait for it
     except Exception as exc:  # noqa: BLE001
-        return None, _error_for(exc, timeout)
+        return None, _error_for(exc, timeout, conn is not None)
+    finally:
+        if conn is not None:
+            conn.close()
 
 
 class Scraper:
-    """One HTTP client for a whole run (a diagnose, a `top` session, a watcher's target).
+    """What a whole run (a diagnose, a `top` session, a watcher's target) scrapes with.
 
-    Building an httpx.Client costs more CPU than a loopback scrape (it loads a TLS context).
-    Thread-safe: httpx's pool serves the sampler's scrape and health check side by side."""
+    Each call opens and closes its own connection (nothing is held between scrapes), so it is
+    thread-safe: the sampler's scrape and health check go side by side. The TLS context, the
+    only costly part of a client, is built once per process and only for an https target."""
 
-    def __init__(self, timeout: float = 2.0, transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(self, timeout: float = 2.0) -> None:
         self.timeout = timeout
-        self.client = _client(timeout, transport)
 
     def metrics(self, url: str, timeout: float | None = None) -> MetricsScrape:
-        return scrape_metrics(url, self.timeout if timeout is None else timeout, client=self.client)
+        return scrape_metrics(url, self.timeout if timeout is None else timeout)
 
     def health(self, base_url: str, timeout: float | None = None) -> tuple[int | None, str | None]:
-        return probe_health(base_url, self.timeout if timeout is None else timeout, client=self.client)
+        return probe_health(base_url, self.timeout if timeout is None else timeout)
 
     def close(self) -> None:
-        self.client.close()
+        """Nothing is held between calls; kept so a Scraper reads as the resource it was."""
 
     def __enter__(self) -> Scraper:
         return self

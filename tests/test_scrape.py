@@ -1,0 +1,249 @@
+"""GET /metrics and /health (collect.scrape) against real local sockets: each test's server
+answers with the bytes a real server (or a broken one) sends, and the scrape must turn every
+answer, or none, into a MetricsScrape within its timeout without raising."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from wedgectl.collect import scrape
+
+METRICS = "# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
+
+
+def _response(status: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
+    head = {"Content-Length": str(len(body)), **(headers or {})}
+    lines = "".join(f"{k}: {v}\r\n" for k, v in head.items())
+    return f"HTTP/1.1 {status}\r\n{lines}\r\n".encode() + body
+
+
+class Server:
+    """One listening socket on loopback; each connection gets `answer(conn, request_bytes)`."""
+
+    def __init__(self, answer: Callable[[socket.socket, bytes], None]) -> None:
+        self.answer = answer
+        self.requests: list[bytes] = []
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(0.1)
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(5)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                got = conn.recv(4096)
+                if not got:
+                    return
+                data += got
+            self.requests.append(data)
+            try:
+                self.answer(conn, data)
+            except OSError:
+                pass  # the client gave up first: what some tests want
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sock.close()
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[Callable[[socket.socket, bytes], None]], Server]]:
+    servers: list[Server] = []
+
+    def start(answer: Callable[[socket.socket, bytes], None]) -> Server:
+        servers.append(Server(answer))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def _send(raw: bytes) -> Callable[[socket.socket, bytes], None]:
+    return lambda conn, _req: conn.sendall(raw)
+
+
+def test_scrape_ok(serve) -> None:
+    srv = serve(_send(_response("200 OK", METRICS.encode(), {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})))
+    s = scrape.scrape_metrics(f"{srv.url}/metrics")
+    assert s.ok and s.status == 200 and s.text == METRICS and s.error is None and s.elapsed_s >= 0
+    request = srv.requests[0].decode()
+    assert request.startswith("GET /metrics HTTP/1.1\r\n")
+    assert "Connection: close" in request and "Accept-Encoding" not in request  # identity: nothing to inflate
+
+
+def test_scrape_chunked_body_and_a_query_string(serve) -> None:
+    chunked = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n"
+    for part in (METRICS[:20], METRICS[20:]):
+        chunked += f"{len(part):x}\r\n{part}\r\n".encode()
+    srv = serve(_send(chunked + b"0\r\n\r\n"))
+    s = scrape.scrape_metrics(f"{srv.url}/metrics?name=vllm")
+    assert s.ok and s.text == METRICS
+    assert srv.requests[0].startswith(b"GET /metrics?name=vllm HTTP/1.1")
+
+
+def test_scrape_body_ended_by_close(serve) -> None:
+    srv = serve(_send(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n" + METRICS.encode()))
+    assert scrape.scrape_metrics(f"{srv.url}/metrics").text == METRICS
+
+
+def test_scrape_500_keeps_status_and_body(serve) -> None:
+    srv = serve(_send(_response("500 Internal Server Error", b"Internal Server Error", {"Content-Type": "text/plain"})))
+    s = scrape.scrape_metrics(f"{srv.url}/metrics")
+    assert not s.ok and s.status == 500 and s.text == "Internal Server Error" and "500" in s.error
+
+
+def test_scrape_redirect_is_not_followed(serve) -> None:
+    srv = serve(_send(_response("302 Found", b"", {"Location": "http://127.0.0.1:9/metrics"})))
+    s = scrape.scrape_metrics(f"{srv.url}/metrics")
+    assert s.status == 302 and not s.ok and len(srv.requests) == 1
+
+
+def test_scrape_silent_server_times_out(serve) -> None:
+    srv = serve(lambda conn, _req: time.sleep(3))
+    t0 = time.monotonic()
+    s = scrape.scrape_metrics(f"{srv.url}/metrics", timeout=0.3)
+    assert time.monotonic() - t0 < 2.0
+    assert s.status is None and s.error.startswith("timeout") and "ReadTimeout" in s.error
+
+
+def test_scrape_trickled_body_is_abandoned_at_the_deadline(serve) -> None:
+    """A server that sends its headers and then a byte every 50 ms never finishes within the
+    timeout: the scrape gives up at the deadline, however often bytes arrive."""
+
+    def trickle(conn: socket.socket, _req: bytes) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 100000\r\n\r\n")
+        for _ in range(200):
+            conn.sendall(b"#")
+            time.sleep(0.05)
+
+    srv = serve(trickle)
+    t0 = time.monotonic()
+    s = scrape.scrape_metrics(f"{srv.url}/metrics", timeout=0.5)
+    assert time.monotonic() - t0 < 2.0
+    assert s.status == 200 and s.text is None and "body not complete within 0.5s" in s.error
+
+
+def test_scrape_body_over_the_cap(serve, monkeypatch) -> None:
+    monkeypatch.setattr(scrape, "MAX_BODY_BYTES", 1000)
+    srv = serve(_send(_response("200 OK", b"x" * 5000, {"Content-Type": "text/plain"})))
+    s = scrape.scrape_metrics(f"{srv.url}/metrics")
+    assert s.text is None and s.error == "bad_data: body over 1000 bytes"
+
+
+def test_scrape_non_text(serve) -> None:
+    srv = serve(_send(_response("200 OK", b"\x89PNG\r\n\x1a\n\x00", {"Content-Type": "image/png"})))
+    s = scrape.scrape_metrics(f"{srv.url}/metrics")
+    assert s.status == 200 and s.text is None and not s.ok and s.error.startswith("bad_data")
+    for body, headers in ((b"\xff\xfe\x00bad", {}), (b"ok\x00", {"Content-Type": "text/plain"}),
+                          (b"x", {"Content-Type": "text/plain; charset=no-such-charset"}),
+                          (b"\x1f\x8b\x08\x00", {"Content-Type": "text/plain", "Content-Encoding": "gzip"})):
+        srv = serve(_send(_response("200 OK", body, headers)))
+        assert scrape.scrape_metrics(f"{srv.url}/metrics").error.startswith("bad_data"), (body, headers)
+
+
+def test_scrape_garbage_and_cut_off_answers_are_bad_data(serve) -> None:
+    for raw in (b"SSH-2.0-OpenSSH_9.2\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\nshort",
+                b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70000 + b"\r\n\r\n"):
+        srv = serve(_send(raw))
+        s = scrape.scrape_metrics(f"{srv.url}/metrics")
+        assert s.text is None and s.error.startswith("bad_data"), (raw[:40], s.error)
+    srv = serve(_send(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 500\r\n\r\nshort"))
+    assert scrape.scrape_metrics(f"{srv.url}/metrics").error == "bad_data: body cut off: 5 of the 500 bytes announced"
+
+
+def test_scrape_closed_without_an_answer(serve) -> None:
+    srv = serve(lambda conn, _req: None)
+    s = scrape.scrape_metrics(f"{srv.url}/metrics")
+    assert s.status is None and s.error.startswith("bad_data") and "RemoteDisconnected" in s.error
+
+
+def test_scrape_connection_refused() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    s = scrape.scrape_metrics(f"http://127.0.0.1:{port}/metrics")
+    assert s.status is None and s.error.startswith("unreachable") and "refused" in s.error
+
+
+@pytest.mark.parametrize("url", ["ftp://h/metrics", "http:///metrics", "http://h:99999/metrics", "http://h:x/metrics"])
+def test_scrape_bad_url_never_raises(url: str) -> None:
+    s = scrape.scrape_metrics(url)
+    assert s.status is None and s.error.startswith("error: bad URL"), s.error
+
+
+def test_probe_health(serve) -> None:
+    srv = serve(_send(_response("200 OK", b"")))
+    assert scrape.probe_health(srv.url) == (200, None)
+    assert srv.requests[0].startswith(b"GET /health HTTP/1.1")
+    srv = serve(_send(_response("503 Service Unavailable", b"")))
+    assert scrape.probe_health(f"{srv.url.removeprefix('http://')}/v1") == (503, None)  # host:port/prefix
+    assert srv.requests[0].startswith(b"GET /health ")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    status, error = scrape.probe_health(f"http://127.0.0.1:{port}")
+    assert status is None and error.startswith("unreachable")
+
+
+def test_probe_health_does_not_wait_for_the_body(serve) -> None:
+    def headers_then_silence(conn: socket.socket, _req: bytes) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n")
+        time.sleep(3)
+
+    srv = serve(headers_then_silence)
+    t0 = time.monotonic()
+    assert scrape.probe_health(srv.url, timeout=2.0) == (200, None)
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_ipv6_loopback(serve) -> None:
+    sock = socket.create_server(("::1", 0), family=socket.AF_INET6)
+    port = sock.getsockname()[1]
+
+    def one() -> None:
+        conn, _ = sock.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(_response("200 OK", METRICS.encode(), {"Content-Type": "text/plain"}))
+
+    t = threading.Thread(target=one, daemon=True)
+    t.start()
+    try:
+        assert scrape.scrape_metrics(f"http://[::1]:{port}/metrics").text == METRICS
+    finally:
+        t.join(timeout=5)
+        sock.close()
+
+
+def test_scraper_is_safe_from_threads_side_by_side(serve) -> None:
+    srv = serve(_send(_response("200 OK", METRICS.encode(), {"Content-Type": "text/plain"})))
+    out: list[object] = []
+    with scrape.Scraper(2.0) as s:
+        threads = [threading.Thread(target=lambda: out.append(s.metrics(f"{srv.url}/metrics").text)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=10)
+        out.append(s.health(srv.url))
+    assert out[:8] == [METRICS] * 8 and out[8] == (200, None)
