@@ -383,10 +383,26 @@ def _one_line(message: str) -> str:
     return f"{lines[0]} ... {lines[-1]}"[:400]
 
 
+_interrupted: list[bool] = []
+
+
+def _on_sigint(_signum: int, _frame: object) -> None:
+    """Ctrl-C as Python's own handler does it (KeyboardInterrupt), noted: typer turns the
+    interrupt into a bare exit status 130, and main() then says so in one line."""
+    _interrupted.append(True)
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: domain errors become one line on stderr and their exit code."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
     try:
         rc = app(args=argv, standalone_mode=False)
+        if rc == exitcodes.INTERRUPTED and _interrupted:
+            print("wedgectl: interrupted", file=sys.stderr)
         sys.exit(rc if isinstance(rc, int) else 0)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)

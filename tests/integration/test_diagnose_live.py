@@ -255,6 +255,7 @@ def test_urgent_samples_in_a_session_of_its_own_and_passes_on_ctrl_c(silent_port
         if p.poll() is None:
             p.kill()
     assert p.returncode == exitcodes.INTERRUPTED, err  # the capture's Ctrl-C exit, passed back by the command
+    assert err.strip().splitlines()[-1] == "wedgectl: interrupted", err  # said, not a silent 130
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
 
 
