@@ -52,7 +52,7 @@ class LiveSource:
         self.pid = pid
         self.url = url
         self.options = options
-        self.scraper = Scraper(options.scrape_timeout_s)  # one client for the session: a new one per scrape cost most of top's CPU
+        self.scraper = Scraper(options.scrape_timeout_s)  # one for the session (it holds no connection between scrapes)
         self.tree = TreeCache()  # the process tree walked every few seconds, not every refresh
         self._manifest = Manifest(
             created=time.time(),

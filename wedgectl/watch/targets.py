@@ -104,7 +104,7 @@ class Watched:
         self._log: tuple[str, ...] = ()
         self._log_read = 0.0
         self._roles_read = time.monotonic()  # discover() just walked the tree
-        self._scraper = Scraper()  # one HTTP client for every look at this target, cheap or full
+        self._scraper = Scraper()  # one scraper for every look at this target, cheap or full
         if deployment.api_pid is not None:
             try:
                 self.model = served_model(procread.read_cmdline(deployment.api_pid))
