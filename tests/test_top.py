@@ -395,6 +395,39 @@ async def test_a_refresh_draws_only_the_rows_that_changed(monkeypatch):
         assert [str(c) for c in table.get_row_at(5)][3] == "97"
 
 
+@pytest.mark.asyncio
+async def test_a_sparkline_is_drawn_as_its_bars_and_repainted_only_when_they_change(monkeypatch):
+    """SparkText draws one cached Strip of model.spark_text's bars; a new series with the same
+    bars (an idle counter's zeros, sample after sample) repaints nothing."""
+    from textual.app import App
+
+    from wedgectl.tui import model
+    from wedgectl.tui.widgets import SparkText
+
+    class One(App):
+        CSS = "SparkText { width: 12; height: 1; }"
+
+        def compose(self):
+            yield SparkText()
+
+    app = One()
+    async with app.run_test(size=(40, 5)) as pilot:
+        spark = app.query_one(SparkText)
+        spark.series = ((0.0, 1.0, 4.0), 1.0)
+        await pilot.pause(0.1)
+        assert spark.render_line(0).text == model.spark_text([0.0, 1.0, 4.0], 12) == " " * 9 + "▁▃█"
+        refreshed: list[int] = []
+        real = SparkText.refresh
+        monkeypatch.setattr(SparkText, "refresh", lambda self, *a, **k: refreshed.append(1) or real(self, *a, **k))
+        spark.series = ((0.0, 1.0, 4.0, 4.0), 1.0)  # a new bar: repainted
+        spark.series = ((0.0, 1.0, 4.0, 4.0), 1.0)
+        assert len(refreshed) == 1  # the same series again: nothing to draw
+        spark.series = ((0.0, 0.0, 1.0, 4.0, 4.0), 1.0)  # one more bar on the left: repainted
+        assert len(refreshed) == 2
+        await pilot.pause(0.1)
+        assert spark.render_line(0).text == " " * 7 + "▁▁▃██" and not spark.render_line(1).text.strip()
+
+
 @pytest.mark.parametrize("name,healthy", [("healthy", True), ("admission-wedge", False)])
 def test_stacks_are_dumped_less_often_while_the_verdict_is_healthy(name, healthy):
     """py-spy is most of a refresh's cost: every 5th refresh while something may be wrong, every

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
 from textual import events
@@ -78,13 +79,35 @@ class StatusLine(Static):
 
 
 class SparkText(Widget):
-    """A one-line sparkline, one bar per sample, on a fixed scale (see model.spark_text)."""
+    """A one-line sparkline, one bar per sample, on a fixed scale (see model.spark_text).
 
-    series: reactive[tuple[tuple[float, ...], float]] = reactive(((), 1.0))
+    Drawn through the line API: one Strip, built again only when the bars change. A `render()`
+    returning the text went through Textual's content pipeline for every sparkline on every
+    refresh (the largest part of a refresh's drawing, measured per widget), and a new series
+    whose bars look the same (an idle counter) repaints nothing."""
 
-    def render(self) -> str:
+    series: reactive[tuple[tuple[float, ...], float]] = var(((), 1.0))
+
+    _strip: Strip | None = None
+    _strip_key: tuple[str, int, Style] | None = None
+
+    def _bars(self) -> str:
         values, top = self.series
         return spark_text(values, self.size.width, top)
+
+    def watch_series(self) -> None:
+        if self._strip_key is None or self._bars() != self._strip_key[0]:
+            self.refresh()
+
+    def render_line(self, y: int) -> Strip:
+        width, style = self.size.width, self.rich_style
+        if y != 0:
+            return Strip.blank(width, style)
+        key = (self._bars(), width, style)
+        if key != self._strip_key or self._strip is None:
+            self._strip_key = key
+            self._strip = Strip([Segment(key[0], style)], cell_length=len(key[0]))
+        return self._strip
 
 
 class CounterLine(Horizontal):
