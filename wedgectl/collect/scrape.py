@@ -98,16 +98,13 @@ def _connect(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]
 
 def _get(conn: http.client.HTTPConnection, path: str, deadline: float) -> http.client.HTTPResponse:
     """Send GET path and read the status line and headers, within the deadline."""
-    sock = conn.sock
-    sock.settimeout(max(0.001, deadline - time.monotonic()))
+    conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
     conn.putrequest("GET", path, skip_accept_encoding=True)  # identity: nothing to inflate
     conn.putheader("Accept", "text/plain, */*")
     conn.putheader("Connection", "close")
     conn.putheader("User-Agent", "wedgectl")
     conn.endheaders()
-    resp = conn.getresponse()
-    resp._wedgectl_sock = sock  # type: ignore[attr-defined] - getresponse may drop conn.sock; the reads still use it
-    return resp
+    return conn.getresponse()
 
 
 def _error_for(exc: BaseException, timeout: float, connected: bool) -> str:
@@ -120,9 +117,7 @@ def _error_for(exc: BaseException, timeout: float, connected: bool) -> str:
         return f"{FailureKind.BAD_DATA.value}: {type(exc).__name__}: {exc}"
     if isinstance(exc, OSError) and not connected:  # refused, no route, no such host
         return f"{FailureKind.UNREACHABLE.value}: {exc or 'connection failed'}"
-    if isinstance(exc, (ConnectionError, OSError)):
-        return f"{FailureKind.ERROR.value}: {type(exc).__name__}: {exc}"
-    if isinstance(exc, (UnicodeError, ValueError)):
+    if isinstance(exc, ValueError):  # UnicodeError too: a host IDNA cannot encode
         return f"{FailureKind.ERROR.value}: bad URL: {exc}"
     return f"{FailureKind.ERROR.value}: {type(exc).__name__}: {exc}"
 
@@ -136,8 +131,10 @@ def scrape_metrics(url: str, timeout: float = 2.0) -> MetricsScrape:
     deadline = start + timeout
     status: int | None = None
     conn: http.client.HTTPConnection | None = None
+    late = f"{FailureKind.TIMEOUT.value}: body not complete within {timeout:.1f}s"
     try:
         conn, path = _connect(url, timeout)
+        sock = conn.sock  # getresponse may drop conn.sock when the answer closes; the body's reads still use it
         resp = _get(conn, path, deadline)
         status = resp.status
         ctype = resp.getheader("content-type", "") or ""
@@ -149,12 +146,12 @@ def scrape_metrics(url: str, timeout: float = 2.0) -> MetricsScrape:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                return _done(url, start, status, error=f"{FailureKind.TIMEOUT.value}: body not complete within {timeout:.1f}s")
-            resp._wedgectl_sock.settimeout(left)  # type: ignore[attr-defined]
+                return _done(url, start, status, error=late)
+            sock.settimeout(left)
             try:
                 chunk = resp.read1(READ_CHUNK)
             except TimeoutError:
-                return _done(url, start, status, error=f"{FailureKind.TIMEOUT.value}: body not complete within {timeout:.1f}s")
+                return _done(url, start, status, error=late)
             if not chunk:
                 if resp.length:  # the connection closed before Content-Length's bytes came
                     return _done(url, start, status, error=f"{FailureKind.BAD_DATA.value}: body cut off: "
@@ -167,7 +164,7 @@ def scrape_metrics(url: str, timeout: float = 2.0) -> MetricsScrape:
         body = b"".join(chunks)
         charset = resp.headers.get_content_charset() or "utf-8"
     except Exception as exc:  # noqa: BLE001 - never raise: the failure is the data
-        return _done(url, start, status, error=_error_for(exc, timeout, status is not None or conn is not None))
+        return _done(url, start, status, error=_error_for(exc, timeout, conn is not None))
     finally:
         if conn is not None:
             conn.close()

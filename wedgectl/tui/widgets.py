@@ -81,10 +81,9 @@ class StatusLine(Static):
 class SparkText(Widget):
     """A one-line sparkline, one bar per sample, on a fixed scale (see model.spark_text).
 
-    Drawn through the line API: one Strip, built again only when the bars change. A `render()`
-    returning the text went through Textual's content pipeline for every sparkline on every
-    refresh (the largest part of a refresh's drawing, measured per widget), and a new series
-    whose bars look the same (an idle counter) repaints nothing."""
+    Drawn through the line API: one Strip, built again only when the bars change. Sparklines
+    were the largest part of a live refresh's drawing (measured per widget), one repaint each;
+    now a new series whose bars look the same (an idle counter's zeros) repaints nothing."""
 
     series: reactive[tuple[tuple[float, ...], float]] = var(((), 1.0))
 
