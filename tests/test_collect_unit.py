@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from wedgectl.collect import procfs, pyspy, scrape
-from wedgectl.collect.processes import classify_role
+from wedgectl.collect.processes import classify_role, is_mp_helper
 from wedgectl.collect import sockets
 from wedgectl.collect.sockets import TcpTables, format_address, sockets_from_tables
 from wedgectl.types import FailureKind, FutexWaiters, Role, StackDump, ThreadSample
@@ -244,6 +244,24 @@ PY = "/opt/venv/bin/python3.12"
 )
 def test_classify_role(name: str, cmdline: list[str], role: Role) -> None:
     assert classify_role(name, cmdline) is role
+
+
+@pytest.mark.parametrize(
+    "cmdline, helper",
+    [
+        ([PY, "-B", "-c", "from multiprocessing.resource_tracker import main;main(31)"], True),  # vLLM's, as read from /proc
+        ([PY, "-c", "from multiprocessing.forkserver import main; main(5, 6, ['__main__'], **{})"], True),
+        (["python3 -c from multiprocessing.resource_tracker import main;main(7)"], True),  # a title without NULs
+        ([PY, "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=8, pipe_handle=10)", "--multiprocessing-fork"], False),
+        (["VLLM::EngineCore", "", ""], False),
+        ([PY, "/srv/resource_tracker.py"], False),  # a script of that name is not multiprocessing's
+        ([PY, "-c"], False),
+        ([], False),
+    ],
+)
+def test_is_mp_helper(cmdline: list[str], helper: bool) -> None:
+    """multiprocessing's helpers, never stack-dumped; its spawned children (the engine) are not helpers."""
+    assert is_mp_helper(cmdline) is helper
 
 
 # --- sockets ------------------------------------------------------------------

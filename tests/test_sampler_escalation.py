@@ -351,6 +351,14 @@ def test_a_stepping_engine_is_read_from_proc_alone():
     assert engine_stepping(wedge.processes)  # a wedge spins: the dump waits for its hang-shaped gauges
 
 
+def python_pids(procs) -> list[int]:
+    """The processes a full dump covers: every Python process of the deployment but
+    multiprocessing's resource tracker, which each recorded vLLM deployment has."""
+    tracker = [p.pid for p in procs if "multiprocessing.resource_tracker" in " ".join(p.cmdline)]
+    assert len(tracker) == 1
+    return sorted(p.pid for p in procs if (p.role is not Role.OTHER or "python" in p.name.lower()) and p.pid not in tracker)
+
+
 @pytest.mark.parametrize("quiet, dumped", [(0.0, False), (2.0, True), (None, True)])
 def test_the_first_sample_dumps_every_process_unless_the_engine_is_stepping(monkeypatch, quiet, dumped):
     """A serving engine's first sample takes no py-spy dump (the scrapes decide it); a parked or
@@ -368,7 +376,7 @@ def test_the_first_sample_dumps_every_process_unless_the_engine_is_stepping(monk
     pending = sampler._begin(dep, None, SamplerOptions(), burst=1, first=True)
     pending.sample(dep)
     assert (pending.burst == 1, bool(dumps)) == (dumped, dumped)
-    assert sorted(pid for pid, _ in dumps) == (sorted(p.pid for p in procs if p.role is not Role.OTHER or "python" in p.name.lower()) if dumped else [])
+    assert sorted(pid for pid, _ in dumps) == (python_pids(procs) if dumped else [])
     # The escalation's burst: the engine's processes ESCALATE_BURST times; the rest once when the
     # first sample dumped nothing, not at all when it did.
     for others in (False, True):
@@ -413,7 +421,7 @@ def test_a_capture_without_its_first_dump_takes_it_before_any_verdict_but_progre
     options = SamplerOptions(window_s=4.0, interval_s=0.3)
     out = sampler._capture(dep, dep.root_pid, None, None, options, RecordedScraper(b), sampler._Probes(dep, options))
     assert classify(out).verdict is kind and len(out.samples) == 2
-    python = sorted(p.pid for p in procs if p.role is not Role.OTHER or "python" in p.name.lower())
+    python = python_pids(procs)
     assert sorted(pid for pid, n in dumps if n == 1) == ([] if kind is VerdictKind.PROGRESSING else python)
     assert len(dumps) == (0 if kind is VerdictKind.PROGRESSING else len(python))
 
@@ -513,7 +521,7 @@ def test_a_log_that_grew_past_progressing_gets_the_stacks_the_stop_skipped(monke
     v = classify(out)
     assert v.verdict is (VerdictKind.STARVED if log_grows else VerdictKind.PROGRESSING), v.rule
     assert v.rule.startswith("log_")  # one answered scrape: no live rule could decide
-    python = sorted(p.pid for p in procs if p.role is not Role.OTHER or "python" in p.name.lower())
+    python = python_pids(procs)
     assert sorted(pid for pid, n in dumps if n == 1) == (python if log_grows else [])
 
 

@@ -126,6 +126,17 @@ def test_stack_lines_name_the_dump_and_the_thread():
     assert model.stack_lines(None, 1)[0].startswith("no stack dump yet")
 
 
+def test_the_resource_tracker_is_marked_and_its_stack_view_says_why_it_has_no_dump():
+    b = read_bundle(BUNDLES / "admission-wedge.tar.gz")
+    window = [model.ScrapedSample.of(s) for s in b.samples]
+    rows, _ = model.process_rows(window)
+    helpers = [r for r in rows if r.helper]
+    assert [r.role for r in helpers] == [Role.OTHER.value]  # vLLM's resource tracker, as recorded
+    assert all(not r.helper for r in rows if r.role != Role.OTHER.value)
+    assert "resource tracker" in model.stack_lines(None, None, helper=True)[0]
+    assert model.stack_lines(None, None, helper=False)[0].startswith("no stack dump yet")
+
+
 def test_top_and_the_classifier_share_one_futex_grouping():
     # The deadlock's evidence names the EngineCore's most crowded futex addresses; top's thread
     # rows must show the same groups, since both read ProcessSample.futex_waiters.

@@ -230,8 +230,11 @@ def _collect_stacks(procs: tuple[ProcessSample, ...], native: bool, burst: int =
                     others: bool = False) -> tuple[tuple[StackDump, ...], list[CollectorFailure]]:
     """One dump of every Python process; or a burst of `burst` dumps of the EngineCore and Workers
     only (a single snapshot of a loop says little about where it spends its time), with one dump
-    of each other Python process too when `others` (the first sample took none)."""
-    targets = [p for p in procs if p.role != Role.OTHER or "python" in p.name.lower()]
+    of each other Python process too when `others` (the first sample took none). multiprocessing's
+    helpers (the resource tracker) are never dumped: a py-spy run each, and nothing of the server's
+    runs there."""
+    targets = [p for p in procs if (p.role != Role.OTHER or "python" in p.name.lower())
+               and not processes.is_mp_helper(p.cmdline)]
     if burst > 1 and not others:  # a burst asks where the engine spends its time; the first sample dumped the rest
         targets = [p for p in targets if p.role in (Role.ENGINE_CORE, Role.WORKER)] or targets
     if not targets:

@@ -120,6 +120,17 @@ def _is_mp_child(cmdline: Sequence[str]) -> bool:
     return entry == "-c" and bool(rest) and "multiprocessing" in rest[0]
 
 
+MP_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "multiprocessing.semaphore_tracker")
+
+
+def is_mp_helper(cmdline: Sequence[str]) -> bool:
+    """multiprocessing's own helper (the resource tracker every vLLM server starts, a forkserver):
+    it runs none of the server's code, so its stack says nothing of a hang."""
+    entry, rest = _entry(_tokens(cmdline))
+    code = " ".join(rest[:4])  # the -c code, or its words where a title put the argv in one string
+    return entry == "-c" and any(h in code for h in MP_HELPERS)
+
+
 def name_cmdline(
     pid: int, proc_root: Path = procfs.PROC, timeout: float = procread.READ_TIMEOUT_S
 ) -> tuple[str, list[str]]:
@@ -219,8 +230,7 @@ def role_of(proc: psutil.Process) -> Role:
     except (psutil.Error, OSError):
         return Role.OTHER
     role = classify_role(name, cmdline)
-    entry, rest = _entry(_tokens(cmdline))
-    if entry == "-c" and rest and "resource_tracker" in rest[0]:
+    if is_mp_helper(cmdline):
         return Role.OTHER
     try:
         parent = proc.parent()

@@ -390,10 +390,12 @@ class TopApp(App):
             return
         dumps = frame.stacks.get(self.selected_pid, ())
         now = time.time() if self.collector is not None else None
-        self.w_stack.lines = tuple(model.stack_lines(dumps, self.selected_tid, now))
+        helpers = {p.pid for p in frame.processes if p.helper}
+        self.w_stack.lines = tuple(model.stack_lines(dumps, self.selected_tid, now, self.selected_pid in helpers))
         if self.pinned_pid is not None:
             pinned = frame.stacks.get(self.pinned_pid, ())
-            self.w_pinned.lines = tuple(model.stack_lines(pinned, frame.main_tids.get(self.pinned_pid), now))
+            self.w_pinned.lines = tuple(model.stack_lines(pinned, frame.main_tids.get(self.pinned_pid), now,
+                                                          self.pinned_pid in helpers))
 
     def watch_selected_pid(self, pid: int | None) -> None:
         self.selected_tid = None

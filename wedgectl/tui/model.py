@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from wedgectl import stacks as stk
 from wedgectl.classify import classify
+from wedgectl.collect.processes import is_mp_helper
 from wedgectl.judged import judged_sample, lean_metrics_text  # noqa: F401 - lean_metrics_text re-exported
 from wedgectl.metrics import MetricsParseError, MetricsSnapshot, parse_metrics
 from wedgectl.redact import redact_url
@@ -68,6 +69,7 @@ class ProcessRow:
     threads: int
     rss_mb: float | None
     rank: str = ""  # a Worker's parallel rank from its vLLM title ("TP1", "PP0_TP1")
+    helper: bool = False  # multiprocessing's resource tracker (or forkserver): never stack-dumped
 
 
 @dataclass(frozen=True)
@@ -207,7 +209,7 @@ def process_rows(window: Sequence[ScrapedSample]) -> tuple[tuple[ProcessRow, ...
         cpu = _cpu_pct((last.t, p.cpu_s), (prev_t, before.cpu_s) if before and prev_t is not None else None)
         rows.append(ProcessRow(p.pid, p.role.value, p.name, p.state, cpu, p.num_threads,
                                None if p.rss_bytes is None else p.rss_bytes / 1e6,
-                               "_".join(f"{k}{v}" for k, v in p.parallel_rank.items())))
+                               "_".join(f"{k}{v}" for k, v in p.parallel_rank.items()), is_mp_helper(p.cmdline)))
         threads[p.pid] = thread_rows(p, before, last.t, prev_t)
     return tuple(rows), threads
 
@@ -335,12 +337,17 @@ def describe_target(manifest: Manifest) -> str:
     return " ".join(parts) or "(no target)"
 
 
-def stack_lines(dumps: Sequence[StackDump] | StackDump | None, tid: int | None, now: float | None = None) -> list[str]:
-    """The selected thread's Python stack, innermost first, with what dump it comes from."""
+def stack_lines(dumps: Sequence[StackDump] | StackDump | None, tid: int | None, now: float | None = None,
+                helper: bool = False) -> list[str]:
+    """The selected thread's Python stack, innermost first, with what dump it comes from.
+    `helper`: the process is multiprocessing's own helper, which no dump covers."""
     if isinstance(dumps, StackDump):
         dumps = (dumps,)
     dump = pick_dump(dumps or (), tid)
     if dump is None:
+        if helper:
+            return ["multiprocessing's helper process (the resource tracker): it runs none of the server's code,",
+                    "so no stack dump covers it"]
         return ["no stack dump yet: press d (Python) or D (native, pauses the target ~50 ms)"]
     when = time.strftime("%H:%M:%S", time.localtime(dump.t))
     age = f", {now - dump.t:.0f} s ago" if now is not None and now - dump.t >= 1 else ""
