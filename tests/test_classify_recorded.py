@@ -145,3 +145,19 @@ def test_the_classifier_imports_no_collector():
             "print(sorted(m for m in sys.modules if m.startswith('wedgectl.collect') or m in ('psutil', 'httpx')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_slope_is_the_least_squares_fit_of_the_recorded_counters():
+    import statistics
+
+    from wedgectl.classify.facts import slope_per_s
+    from wedgectl.metrics import parse_metrics
+
+    b = load("starved")
+    points = [(s.t, parse_metrics(s.metrics.text).value("vllm:generation_tokens_total")) for s in b.samples
+              if s.metrics is not None and s.metrics.text]
+    assert len(points) >= 3 and points[-1][1] > points[0][1]
+    want = statistics.linear_regression([t for t, _ in points], [v for _, v in points]).slope
+    assert slope_per_s(points) == pytest.approx(want, rel=1e-12) and want > 0
+    assert slope_per_s(points[:1]) is None
+    assert slope_per_s([(5.0, 1.0), (5.0, 9.0)]) is None  # one instant: no rate

@@ -1,6 +1,7 @@
 """The CLI end to end in a subprocess: outputs, JSON shape, and an exit code for every bad input."""
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -87,3 +88,21 @@ def test_a_diagnose_imports_only_what_it_uses():
             "print(code, sorted(m for m in sys.modules if m.split('.')[0] in heavy or m in heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split(None, 1) == [str(exitcodes.NO_SUCH_PROCESS), "[]\n"], out.stdout + out.stderr
+
+
+def test_a_live_capture_imports_no_general_purpose_client():
+    # A capture that scrapes (refused here: the sampler, the scraper and the classifier all load)
+    # speaks HTTP/1.1 over a socket: no HTTP client library, no email package, no TLS for a
+    # plain-http target, no tarfile when no bundle is written, no statistics module.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = ("import runpy, sys\n"
+            f"sys.argv = ['wedgectl', 'diagnose', '--url', 'http://127.0.0.1:{port}', '-q', '--window', '1']\n"
+            "try:\n    runpy.run_module('wedgectl', run_name='__main__')\n"
+            "except SystemExit as e:\n    code = e.code\n"
+            "heavy = ('httpx', 'http', 'email', 'ssl', 'tarfile', 'statistics', 'textual', 'prometheus_client')\n"
+            "loaded = all(m in sys.modules for m in ('wedgectl.sampler', 'wedgectl.collect.scrape', 'wedgectl.classify'))\n"
+            "print(code, loaded, sorted(m for m in sys.modules if m.split('.')[0] in heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split(None, 2) == [str(exitcodes.UNREACHABLE), "True", "[]\n"], out.stdout + out.stderr

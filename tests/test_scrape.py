@@ -102,6 +102,58 @@ def test_scrape_chunked_body_and_a_query_string(serve) -> None:
     assert srv.requests[0].startswith(b"GET /metrics?name=vllm HTTP/1.1")
 
 
+def test_scrape_request_names_its_host(serve) -> None:
+    srv = serve(_send(_response("200 OK", METRICS.encode(), {"Content-Type": "text/plain"})))
+    scrape.scrape_metrics(f"{srv.url}/metrics")
+    port = srv.url.rsplit(":", 1)[1]
+    head = srv.requests[0].decode().split("\r\n")
+    assert f"Host: 127.0.0.1:{port}" in head and "User-Agent: wedgectl" in head and head[-2:] == ["", ""]
+
+
+def test_scrape_a_large_body_sent_with_its_headers_in_one_write(serve) -> None:
+    """Headers and a body of many reads' worth in one send: the lines are read off a buffer that
+    already holds the body, and the body comes out whole (Content-Length, chunked, and close)."""
+    body = "".join(f"vllm:x{{i=\"{i}\"}} {i}.0\n" for i in range(20000)).encode()  # ~0.5 MB
+    chunked = b"".join(f"{len(body[i:i + 70000]):x};ext=1\r\n".encode() + body[i:i + 70000] + b"\r\n"
+                       for i in range(0, len(body), 70000))
+    for raw in (_response("200 OK", body, {"Content-Type": "text/plain"}),
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + chunked + b"0\r\nX-Trailer: 1\r\n\r\n",
+                b"HTTP/1.0 200 OK\r\n\r\n" + body):
+        srv = serve(_send(raw))
+        s = scrape.scrape_metrics(f"{srv.url}/metrics")
+        assert s.ok and s.text == body.decode(), (raw[:60], s.error)
+
+
+def test_scrape_skips_an_interim_answer_and_reads_folded_headers(serve) -> None:
+    srv = serve(_send(b"HTTP/1.1 100 Continue\r\n\r\n" + _response(
+        "200 OK", METRICS.encode(), {"Content-Type": "text/plain;", "X-Folded": "a\r\n b"})))
+    s = scrape.scrape_metrics(f"{srv.url}/metrics")
+    assert s.ok and s.status == 200 and s.text == METRICS
+
+
+def test_scrape_malformed_framing_is_bad_data_by_kind(serve) -> None:
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n"
+    cases = {
+        head + b"no colon here\r\n\r\nx": "BadHeaderLine",
+        head + b"Content-Length: -5\r\n\r\nx": "BadContentLength",
+        head + b"Transfer-Encoding: gzip\r\n\r\nx": "UnknownTransferEncoding",
+        head + b"Transfer-Encoding: chunked\r\n\r\nzz\r\nx": "IncompleteRead",
+        head + b"Transfer-Encoding: chunked\r\n\r\n-5\r\nx": "IncompleteRead",
+        b"HTTP/1.1 099 Odd\r\n\r\n": "BadStatusLine",
+        head + b"Transfer-Encoding: chunked\r\n\r\n10\r\nonly a part": "IncompleteRead",
+        head + b"Transfer-Encoding: chunked\r\n\r\n3\r\nabcXY": "IncompleteRead",
+        head + b"".join(b"X-%d: 1\r\n" % i for i in range(120)) + b"\r\n": "more than 100 headers",
+        head + b"Content-Le": "RemoteDisconnected",
+        b"HTTP/1.1 abc OK\r\n\r\n": "BadStatusLine",
+        b"HTTP/1.1 101 Switching Protocols\r\n\r\n": "no final answer",
+    }
+    for raw, kind in cases.items():
+        srv = serve(_send(raw))
+        s = scrape.scrape_metrics(f"{srv.url}/metrics", timeout=2.0)
+        assert s.text is None and s.error.startswith("bad_data") and kind in s.error, (raw[-40:], s.error)
+
+
 def test_scrape_body_ended_by_close(serve) -> None:
     srv = serve(_send(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n" + METRICS.encode()))
     assert scrape.scrape_metrics(f"{srv.url}/metrics").text == METRICS
@@ -138,6 +190,20 @@ def test_scrape_trickled_body_is_abandoned_at_the_deadline(serve) -> None:
             time.sleep(0.05)
 
     srv = serve(trickle)
+    t0 = time.monotonic()
+    s = scrape.scrape_metrics(f"{srv.url}/metrics", timeout=0.5)
+    assert time.monotonic() - t0 < 2.0
+    assert s.status == 200 and s.text is None and "body not complete within 0.5s" in s.error
+
+
+def test_scrape_an_endless_flood_of_tiny_chunks_ends_at_the_deadline(serve) -> None:
+    def flood(conn: socket.socket, _req: bytes) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n")
+        stop = time.monotonic() + 5
+        while time.monotonic() < stop:
+            conn.sendall(b"1\r\na\r\n" * 4096)
+
+    srv = serve(flood)
     t0 = time.monotonic()
     s = scrape.scrape_metrics(f"{srv.url}/metrics", timeout=0.5)
     assert time.monotonic() - t0 < 2.0
@@ -186,7 +252,8 @@ def test_scrape_connection_refused() -> None:
     assert s.status is None and s.error.startswith("unreachable") and "refused" in s.error
 
 
-@pytest.mark.parametrize("url", ["ftp://h/metrics", "http:///metrics", "http://h:99999/metrics", "http://h:x/metrics"])
+@pytest.mark.parametrize("url", ["ftp://h/metrics", "http:///metrics", "http://h:99999/metrics", "http://h:x/metrics",
+                                 "http://127.0.0.1:1/me trics", "http://127.0.0.1:1/m\x00"])
 def test_scrape_bad_url_never_raises(url: str) -> None:
     s = scrape.scrape_metrics(url)
     assert s.status is None and s.error.startswith("error: bad URL"), s.error

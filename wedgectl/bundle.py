@@ -16,7 +16,6 @@ import json
 import math
 import os
 import stat
-import tarfile
 import time
 import types
 import typing
@@ -265,6 +264,8 @@ def write_bundle(bundle: Bundle, path: str | Path) -> Path:
 
     Only the owner may read it: files and the archive 0600, the directory 0700
     (a bundle holds command lines, paths and logs even with secrets redacted)."""
+    import tarfile  # here, not at the top: only a run that writes or reads a bundle pays for it
+
     path = Path(path)
     files = encode(bundle)
     if path.name.endswith((".tar.gz", ".tgz")):
@@ -375,6 +376,8 @@ def read_archive(fh: BinaryIO, origin: str) -> dict[str, bytes]:
     512-byte block at a time by tarfile.TarInfo.frombuf; the extended ones (pax, GNU long names)
     are capped at MAX_HEADER_BYTES and parsed here.
     """
+    import tarfile  # here, not at the top: only a run that writes or reads a bundle pays for it
+
     stream = _Inflated(fh, origin)
     files: dict[str, bytes] = {}
     override: dict[str, str] = {}

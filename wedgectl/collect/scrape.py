@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import http.client
+import socket
 import time
 from urllib.parse import urlsplit, urlunsplit
 
@@ -50,11 +50,21 @@ def health_url_for(base: str) -> str:
 
 CONNECT_S = 1.0  # a connect (and TLS handshake) gets at most this much of the timeout
 READ_CHUNK = 64 * 1024
+MAX_LINE = 65536  # a status or header line, as the standard library's client bounds it
+MAX_HEADERS = 100
 _tls_context = None  # built on the first https scrape: loading the CA store costs more CPU than a loopback scrape
 
 
 class _Refused(Exception):
     """Why a URL is not fetched at all (a scheme or host wedgectl does not speak to)."""
+
+
+class _BadAnswer(Exception):
+    """An answer that is not HTTP/1.x as a server sends it: bad_data, named by its kind."""
+
+    def __init__(self, kind: str, what: str) -> None:
+        super().__init__(what)
+        self.kind = kind
 
 
 def _tls():  # noqa: ANN202 - ssl is imported only when a target speaks TLS
@@ -66,12 +76,14 @@ def _tls():  # noqa: ANN202 - ssl is imported only when a target speaks TLS
     return _tls_context
 
 
-def _connect(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
-    """An open connection to url's host (connect bounded by CONNECT_S) and the request path.
-    The standard library's client: no proxy from the environment (a loopback scrape must not be
-    rerouted), no redirects followed, no connection kept between scrapes (between them wedgectl
-    holds no socket, so collect.processes finds none of ours among the server's), and a fraction
-    of the CPU and import time of a general-purpose client."""
+def _connect(url: str, timeout: float) -> tuple[socket.socket, bytes]:
+    """An open socket to url's host (connect, and any TLS handshake, bounded by CONNECT_S) and
+    the request to send on it. HTTP/1.1 spoken directly over a socket, a GET and its answer and
+    nothing else: no proxy from the environment (a loopback scrape must not be rerouted), no
+    redirect followed, no connection kept between scrapes (between them wedgectl holds no
+    socket, so collect.processes finds none of ours among the server's). A general-purpose
+    client (httpx, or the standard library's http.client with the email package it parses
+    headers with) cost more CPU to import than a run's scrapes."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https"):
@@ -83,28 +95,175 @@ def _connect(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]
     if not host:
         raise _Refused("no host")
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    if any(c <= " " or c == "\x7f" for c in host + path):
+        raise _Refused("a control character or space in the host or path")
+    default = 443 if scheme == "https" else 80
+    name = host if host.isascii() else host.encode("idna").decode("ascii")  # a UnicodeError is a bad URL
+    name = f"[{name}]" if ":" in name else name
+    request = (f"GET {path} HTTP/1.1\r\nHost: {name}{'' if port in (None, default) else f':{port}'}\r\n"
+               "Accept: text/plain, */*\r\nConnection: close\r\nUser-Agent: wedgectl\r\n\r\n").encode("ascii")
     connect_s = min(timeout, CONNECT_S)
-    if scheme == "https":
-        conn: http.client.HTTPConnection = http.client.HTTPSConnection(host, port, timeout=connect_s, context=_tls())
-    else:
-        conn = http.client.HTTPConnection(host, port, timeout=connect_s)
+    # An ASCII host goes to getaddrinfo as bytes: a str one is IDNA-encoded first, and that
+    # codec's first use imports stringprep and unicodedata (3 ms of CPU, for "127.0.0.1").
+    sock = socket.create_connection((host.encode() if host.isascii() else host, port or default), timeout=connect_s)
     try:
-        conn.connect()
+        if scheme == "https":
+            sock = _tls().wrap_socket(sock, server_hostname=host)
     except BaseException:
-        conn.close()
+        sock.close()
         raise
-    return conn, path
+    return sock, request
 
 
-def _get(conn: http.client.HTTPConnection, path: str, deadline: float) -> http.client.HTTPResponse:
-    """Send GET path and read the status line and headers, within the deadline."""
-    conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
-    conn.putrequest("GET", path, skip_accept_encoding=True)  # identity: nothing to inflate
-    conn.putheader("Accept", "text/plain, */*")
-    conn.putheader("Connection", "close")
-    conn.putheader("User-Agent", "wedgectl")
-    conn.endheaders()
-    return conn.getresponse()
+class _Answer:
+    """The answer read off one socket: status and headers, then the body on demand, every read
+    bounded by the deadline it is given."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.length: int | None = None  # body bytes still to come, from Content-Length
+        self.chunked = False
+        self._chunk_left = 0  # bytes of the current chunk still to come
+        self.done = False
+
+    def _fill(self, deadline: float) -> bool:
+        """More bytes into the buffer; False at the end of the stream."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        self.sock.settimeout(left)
+        data = self.sock.recv(READ_CHUNK)
+        self.buf += data
+        return bool(data)
+
+    def _line(self, deadline: float) -> bytes:
+        """One line, its end included; what is left at the end of the stream (maybe b"")."""
+        while True:
+            end = self.buf.find(b"\n")
+            if end >= 0 or len(self.buf) > MAX_LINE:
+                if end < 0 or end >= MAX_LINE:
+                    raise _BadAnswer("LineTooLong", f"a line of the answer is over {MAX_LINE} bytes")
+                line = bytes(self.buf[: end + 1])
+                del self.buf[: end + 1]
+                return line
+            if not self._fill(deadline):
+                line = bytes(self.buf)
+                self.buf.clear()
+                return line
+
+    def read_head(self, deadline: float, body: bool = True) -> None:
+        """The status line and the headers (1xx interim answers skipped)."""
+        for _ in range(8):
+            line = self._line(deadline)
+            if not line.endswith(b"\n"):
+                raise _BadAnswer("RemoteDisconnected", "the server closed the connection without a whole status line"
+                                 if line else "the server closed the connection without an answer")
+            version, _, rest = line.decode("latin-1").rstrip("\r\n").partition(" ")
+            code = rest[:3]
+            if not version.startswith("HTTP/1.") or not code.isdigit() or code < "100" or rest[3:4] not in ("", " "):
+                raise _BadAnswer("BadStatusLine", f"not an HTTP/1.x status line: {line[:80]!r}")
+            self.status = int(code)
+            self.headers = self._read_headers(deadline)
+            if not 100 <= self.status < 200 or self.status == 101:
+                break
+        if self.status < 200:
+            raise _BadAnswer("BadStatusLine", f"no final answer after interim {self.status} answers")
+        coding = self.headers.get("transfer-encoding", "").lower()
+        if coding:
+            if coding.replace(" ", "").split(",")[-1] != "chunked":
+                raise _BadAnswer("UnknownTransferEncoding", f"transfer-encoding {coding!r}")
+            self.chunked = True
+        elif "content-length" in self.headers:
+            raw = self.headers["content-length"].split(",")[0].strip()
+            if not raw.isdigit():
+                raise _BadAnswer("BadContentLength", f"content-length {raw[:40]!r}")
+            self.length = int(raw)
+        if not body or self.status in (204, 304):
+            self.done = True
+
+    def _read_headers(self, deadline: float) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        last = ""
+        for _ in range(MAX_HEADERS + 1):
+            line = self._line(deadline)
+            if line in (b"\r\n", b"\n"):
+                return headers
+            if not line.endswith(b"\n"):
+                raise _BadAnswer("RemoteDisconnected", "the connection closed inside the headers")
+            text = line.decode("latin-1").rstrip("\r\n")
+            if text[:1] in (" ", "\t") and last:  # an obsolete folded continuation
+                headers[last] += " " + text.strip()
+                continue
+            name, colon, value = text.partition(":")
+            if not colon or not name or name != name.strip():
+                raise _BadAnswer("BadHeaderLine", f"not a header line: {text[:80]!r}")
+            last = name.lower()
+            value = value.strip()
+            headers[last] = f"{headers[last]}, {value}" if last in headers else value
+        raise _BadAnswer("HTTPException", f"got more than {MAX_HEADERS} headers")
+
+    def read1(self, deadline: float) -> bytes:
+        """Some of the body (b"" once it is complete, or the stream ended)."""
+        if self.done:
+            return b""
+        if self.chunked:
+            return self._read_chunk(deadline)
+        if self.length == 0:
+            self.done = True
+            return b""
+        if not self.buf and not self._fill(deadline):
+            self.done = True
+            return b""
+        take = len(self.buf) if self.length is None else min(len(self.buf), self.length)
+        data = bytes(self.buf[:take])
+        del self.buf[:take]
+        if self.length is not None:
+            self.length -= take
+        return data
+
+    def _read_chunk(self, deadline: float) -> bytes:
+        if self._chunk_left == 0:
+            size_line = self._line(deadline)
+            if not size_line.endswith(b"\n"):
+                raise _BadAnswer("IncompleteRead", "the connection closed inside a chunked body")
+            size = size_line.split(b";", 1)[0].strip()
+            if not size or size.lstrip(b"0123456789abcdefABCDEF"):  # hex digits only: no sign, no "0x"
+                raise _BadAnswer("IncompleteRead", f"bad chunk size {size[:20]!r}")
+            self._chunk_left = int(size, 16)
+            if self._chunk_left == 0:  # the last chunk: the trailer, then the end
+                self._read_headers(deadline)
+                self.done = True
+                return b""
+        if not self.buf and not self._fill(deadline):
+            raise _BadAnswer("IncompleteRead", "the connection closed inside a chunk")
+        take = min(len(self.buf), self._chunk_left)
+        data = bytes(self.buf[:take])
+        del self.buf[:take]
+        self._chunk_left -= take
+        if self._chunk_left == 0:  # the chunk's own line end
+            end = self._line(deadline)
+            if end not in (b"\r\n", b"\n"):
+                raise _BadAnswer("IncompleteRead", "a chunk not followed by its line end")
+        return data
+
+    def charset(self) -> str | None:
+        for param in self.headers.get("content-type", "").split(";")[1:]:
+            key, _, value = param.partition("=")
+            if key.strip().lower() == "charset":
+                return value.strip().strip('"') or None
+        return None
+
+
+def _get(sock: socket.socket, request: bytes, deadline: float, body: bool = True) -> _Answer:
+    """Send the request and read the status line and headers, within the deadline."""
+    sock.settimeout(max(0.001, deadline - time.monotonic()))
+    sock.sendall(request)
+    answer = _Answer(sock)
+    answer.read_head(deadline, body)
+    return answer
 
 
 def _error_for(exc: BaseException, timeout: float, connected: bool) -> str:
@@ -113,8 +272,8 @@ def _error_for(exc: BaseException, timeout: float, connected: bool) -> str:
     if isinstance(exc, TimeoutError):  # socket.timeout is TimeoutError
         what = "ReadTimeout" if connected else "ConnectTimeout"
         return f"{FailureKind.TIMEOUT.value}: no answer within {timeout:.1f}s ({what})"
-    if isinstance(exc, http.client.HTTPException):  # a bad status line, headers, or a cut-off body
-        return f"{FailureKind.BAD_DATA.value}: {type(exc).__name__}: {exc}"
+    if isinstance(exc, _BadAnswer):  # a bad status line, headers, or a cut-off body
+        return f"{FailureKind.BAD_DATA.value}: {exc.kind}: {exc}"
     if isinstance(exc, OSError) and not connected:  # refused, no route, no such host
         return f"{FailureKind.UNREACHABLE.value}: {exc or 'connection failed'}"
     if isinstance(exc, ValueError):  # UnicodeError too: a host IDNA cannot encode
@@ -130,26 +289,23 @@ def scrape_metrics(url: str, timeout: float = 2.0) -> MetricsScrape:
     start = time.monotonic()
     deadline = start + timeout
     status: int | None = None
-    conn: http.client.HTTPConnection | None = None
+    sock: socket.socket | None = None
     late = f"{FailureKind.TIMEOUT.value}: body not complete within {timeout:.1f}s"
     try:
-        conn, path = _connect(url, timeout)
-        sock = conn.sock  # getresponse may drop conn.sock when the answer closes; the body's reads still use it
-        resp = _get(conn, path, deadline)
+        sock, request = _connect(url, timeout)
+        resp = _get(sock, request, deadline)
         status = resp.status
-        ctype = resp.getheader("content-type", "") or ""
-        encoding = (resp.getheader("content-encoding", "") or "").strip().lower()
+        ctype = resp.headers.get("content-type", "")
+        encoding = resp.headers.get("content-encoding", "").strip().lower()
         if encoding not in ("", "identity"):
             return _done(url, start, status, error=f"{FailureKind.BAD_DATA.value}: content-encoding {encoding!r} not asked for")
         chunks: list[bytes] = []
         size = 0
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if time.monotonic() >= deadline:  # a body arriving faster than it is read is bounded too
                 return _done(url, start, status, error=late)
-            sock.settimeout(left)
             try:
-                chunk = resp.read1(READ_CHUNK)
+                chunk = resp.read1(deadline)
             except TimeoutError:
                 return _done(url, start, status, error=late)
             if not chunk:
@@ -162,12 +318,12 @@ def scrape_metrics(url: str, timeout: float = 2.0) -> MetricsScrape:
             if size > MAX_BODY_BYTES:
                 return _done(url, start, status, error=f"{FailureKind.BAD_DATA.value}: body over {MAX_BODY_BYTES} bytes")
         body = b"".join(chunks)
-        charset = resp.headers.get_content_charset() or "utf-8"
+        charset = resp.charset() or "utf-8"
     except Exception as exc:  # noqa: BLE001 - never raise: the failure is the data
-        return _done(url, start, status, error=_error_for(exc, timeout, conn is not None))
+        return _done(url, start, status, error=_error_for(exc, timeout, sock is not None))
     finally:
-        if conn is not None:
-            conn.close()
+        if sock is not None:
+            sock.close()
 
     mime = ctype.split(";", 1)[0].strip().lower()
     if mime and not mime.startswith(_TEXT_TYPES):
@@ -191,16 +347,16 @@ def _done(url: str, start: float, status: int | None, text: str | None = None, e
 def probe_health(base_url: str, timeout: float = 2.0) -> tuple[int | None, str | None]:
     """GET /health: (status, None) for any answer, (None, error) for none. vLLM answers
     200 while its engine lives and 503 once the engine is dead."""
-    conn: http.client.HTTPConnection | None = None
+    sock: socket.socket | None = None
     try:
         url = health_url_for(base_url)
-        conn, path = _connect(url, timeout)
-        return _get(conn, path, time.monotonic() + timeout).status, None  # the body is not needed: don't wait for it
+        sock, request = _connect(url, timeout)
+        return _get(sock, request, time.monotonic() + timeout, body=False).status, None  # the body is not needed: don't wait for it
     except Exception as exc:  # noqa: BLE001
-        return None, _error_for(exc, timeout, conn is not None)
+        return None, _error_for(exc, timeout, sock is not None)
     finally:
-        if conn is not None:
-            conn.close()
+        if sock is not None:
+            sock.close()
 
 
 class Scraper:
