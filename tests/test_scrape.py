@@ -143,7 +143,7 @@ def test_scrape_malformed_framing_is_bad_data_by_kind(serve) -> None:
         b"HTTP/1.1 099 Odd\r\n\r\n": "BadStatusLine",
         head + b"Transfer-Encoding: chunked\r\n\r\n10\r\nonly a part": "IncompleteRead",
         head + b"Transfer-Encoding: chunked\r\n\r\n3\r\nabcXY": "IncompleteRead",
-        head + b"".join(b"X-%d: 1\r\n" % i for i in range(120)) + b"\r\n": "more than 100 headers",
+        head + b"".join(b"X-%d: 1\r\n" % i for i in range(120)) + b"\r\n": "TooManyHeaders: got more than 100 headers",
         head + b"Content-Le": "RemoteDisconnected",
         b"HTTP/1.1 abc OK\r\n\r\n": "BadStatusLine",
         b"HTTP/1.1 101 Switching Protocols\r\n\r\n": "no final answer",

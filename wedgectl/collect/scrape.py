@@ -203,7 +203,7 @@ class _Answer:
             last = name.lower()
             value = value.strip()
             headers[last] = f"{headers[last]}, {value}" if last in headers else value
-        raise _BadAnswer("HTTPException", f"got more than {MAX_HEADERS} headers")
+        raise _BadAnswer("TooManyHeaders", f"got more than {MAX_HEADERS} headers")
 
     def read1(self, deadline: float) -> bytes:
         """Some of the body (b"" once it is complete, or the stream ended)."""
