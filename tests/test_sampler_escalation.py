@@ -553,3 +553,40 @@ def test_a_raced_dump_is_retried(monkeypatch, outcomes, tries, good):
     assert (out[0].error is None) is good
     if not good:
         assert out[0].error == outcomes[tries - 1]
+
+
+@pytest.mark.parametrize("name, kind", [("collective-hang", VerdictKind.COLLECTIVE_HANG),
+                                        ("admission-wedge", VerdictKind.ADMISSION_WEDGE)])
+def test_a_hang_the_window_ends_on_before_its_burst_gets_the_burst_then(monkeypatch, name, kind):
+    """On a loaded host the samples come late and the scrapes thin: the window can end, uncertain,
+    before the burst the escalation would have asked for next. A hang class then gets the burst of
+    its engine's processes on the last sample (whether a rank's frame stayed put is what a
+    collective hang's ranks read), and the verdict is drawn with it."""
+    import wedgectl.sampler as sampler
+    from wedgectl.discover import Deployment
+
+    b = load(name)
+    procs = b.samples[0].processes
+    dep = Deployment(root_pid=procs[0].pid, api_pid=procs[0].pid, roles={p.pid: p.role for p in procs},
+                     base_url="http://127.0.0.1:1", metrics_url="http://127.0.0.1:1/metrics")
+    burst_sample = max(b.samples[1:], key=lambda s: len(s.stacks))  # the recorded capture's burst
+
+    def recorded_dumps(sample, pid):
+        return [d for d in sample.stacks if d.pid == pid and d.error is None]
+    dumps: list[tuple[int, int]] = []
+    recorded = [s.processes for s in b.samples]  # each sample's /proc in turn: the engine's CPU moves as recorded
+    monkeypatch.setattr(sampler, "_collect_processes", lambda dep, tree=None: (recorded.pop(0) if len(recorded) > 1 else recorded[0], []))
+    monkeypatch.setattr(sampler, "_dump_burst", lambda pid, native, n: dumps.append((pid, n))
+                        or recorded_dumps(b.samples[0] if n == 1 else burst_sample, pid)[:n])
+    monkeypatch.setattr(sampler, "hang_shaped", lambda f: False)  # the first sample did not look hung
+    options = SamplerOptions(window_s=1.2, interval_s=1.0)
+    said: list[str] = []
+    out = sampler._capture(dep, dep.root_pid, None, None, replace(options, progress=said.append), RecordedScraper(b),
+                           sampler._Probes(dep, options))
+    assert not any("stack burst" in line and "not certain" in line for line in said), said  # the escalation asked for none
+    engine = sorted(p.pid for p in procs if p.role in (Role.ENGINE_CORE, Role.WORKER))
+    assert sorted(pid for pid, n in dumps if n == ESCALATE_BURST) == engine
+    v = classify(out)
+    assert v.verdict is kind, v.summary
+    if kind is VerdictKind.COLLECTIVE_HANG:
+        assert all(r["stuck"] for r in v.facts["ranks"]), v.facts["ranks"]

@@ -50,6 +50,9 @@ BURST_GAP_S = 0.03
 ESCALATE_BURST = 3  # dumps of the EngineCore and each Worker once the cheap evidence leaves a hang open
 # Verdicts whose certainty can rest on how long a main thread sat parked: what the probes measure.
 PARKED_CLASSES = frozenset({VerdictKind.ENGINE_DEADLOCK, VerdictKind.COLLECTIVE_HANG})
+# Verdicts whose evidence reads the engine's stack burst (where its loop spends its time, whether a
+# rank's frame stays put): one the window ends on uncertain, before its burst, gets the burst then.
+BURST_CLASSES = frozenset({VerdictKind.ADMISSION_WEDGE, *PARKED_CLASSES})
 PROBE_MIN_S = 2.0  # attach the probes only with at least this much window left: they need a window to see waits
 QUICK_LOOK_S = 0.3  # a serving engine steps every few ms: its counters move many times in this
 NICE = 5  # below a default-priority server in our scheduling group (CFS weight 335 against 1024; docs/design.md) while still getting a share on a saturated host
@@ -614,21 +617,24 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
     # scrape timeout), not waited for.
     log_lines, log_notes = _read_log(log_path, LOG_TAIL_BYTES)
     notes += log_notes
-    if options.stacks and not dumped_all and not burst_taken and samples and samples[-1].processes and verdict is not None:
-        # The first dump was left out for a stepping engine and no burst followed. "progressing"
-        # needs no stacks; any other verdict's evidence gets those of every process the first
-        # sample would have had, on the last sample. "progressing" read from a log that grew in
-        # the window (the live rules could not decide: thin scrapes) is read again from the log as
-        # it is now, which may say otherwise. Live progressing (counters moving) no log overrules.
+    if options.stacks and not burst_taken and samples and samples[-1].processes and verdict is not None:
+        # No burst was taken. "progressing" needs no stacks. A first dump left out for a stepping
+        # engine is taken now, on the last sample, for any other verdict's evidence. "progressing"
+        # read from a log that grew in the window (the live rules could not decide: thin scrapes)
+        # is read again from the log as it is now, which may say otherwise. Live progressing
+        # (counters moving) no log overrules. A hang class the window ended on before its burst
+        # (a loaded host's samples came late, or the first did not look hung) gets the burst now:
+        # whether a rank's frame stayed put is what its verdict and evidence read.
         final = verdict
-        if verdict.verdict is VerdictKind.PROGRESSING and verdict.rule.startswith("log_"):
+        if not dumped_all and verdict.verdict is VerdictKind.PROGRESSING and verdict.rule.startswith("log_"):
             final = classify(Bundle(manifest, tuple(judged), tuple(log_lines)))
             if final.verdict is not VerdictKind.PROGRESSING:
                 say(f"the log now reads {final.verdict.value}")
-        if final.verdict is not VerdictKind.PROGRESSING:
-            say("stacks of every process")
-            dumps, fails = _collect_stacks(samples[-1].processes, options.native, 1)
-            samples[-1] = replace(samples[-1], stacks=dumps, failures=samples[-1].failures + tuple(fails))
+        n = options.stack_burst if final.verdict in BURST_CLASSES and final.confidence < CERTAIN else 1
+        if final.verdict is not VerdictKind.PROGRESSING and (n > 1 or not dumped_all):
+            say("window over before the stack burst: the engine's stacks now" if n > 1 else "stacks of every process")
+            dumps, fails = _collect_stacks(samples[-1].processes, options.native, n, others=not dumped_all)
+            samples[-1] = replace(samples[-1], stacks=samples[-1].stacks + dumps, failures=samples[-1].failures + tuple(fails))
     return Bundle(replace(manifest, notes=tuple(notes)), tuple(samples), log_lines)
 
 
