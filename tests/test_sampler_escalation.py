@@ -231,6 +231,20 @@ def test_starved_is_certain_when_vllm_names_capacity():
     assert not starved_for_capacity(Facts(replace(b, samples=b.samples[:2])))  # 1.2 s: too short
 
 
+def test_a_live_starved_queue_buys_no_burst_until_it_is_certain():
+    """Tokens advance while the queue waits: the engine steps, and the verdict waits MIN_FROZEN_S of
+    scrapes for its certainty, which no stack dump hastens. The replay of a recorded starved capture
+    asks for no burst on the way; a starved verdict read from the log alone still does."""
+    b = load("starved")
+    steps = replay(b)
+    assert [k for k, *_ in steps][-1] == 3 and steps[-1][3].why == "verdict certain"
+    assert [(kind, s.burst) for _, kind, _, s in steps[1:-1]] == [(VerdictKind.STARVED, 0)]
+    uncertain = classify(replace(b, samples=b.samples[:2]))
+    assert uncertain.verdict is VerdictKind.STARVED and uncertain.confidence < CERTAIN
+    from_log = replace(uncertain, rule="log_starved")
+    assert next_step(from_log, 2, 1.2, SamplerOptions(), False, False).burst == ESCALATE_BURST
+
+
 def test_the_window_bounds_an_uncertain_capture():
     b = load("admission-wedge")
     v = classify(replace(b, samples=b.samples[:2]))
