@@ -10,7 +10,13 @@ median wall seconds, median CPU seconds, the median seconds wedgectl's threads
 spent runnable but waiting for a CPU (the kernel's schedstat run delay: on a
 saturated host most of the wall time), and how many runs were right; with --json,
 one object per config (name, expected, verdicts, median_s, median_cpu_s,
-median_cpu_wait_s, right, runs) and a last object with the goals and the host's load.
+median_cpu_wait_s, right, runs, and the warm_ figures below) and a last object with the goals
+and the host's load.
+
+Then the same RUNS diagnoses in one child process that imports wedgectl once and calls its
+command line's entry point each time (`warm_median_cpu_s`, `warm_median_s`, `warm_right`):
+what a long-lived caller such as `wedgectl watch` pays per capture. The one-shot CPU less the
+warm CPU is what the interpreter's start-up and the imports cost each run.
 
 The goals (issue 14): median seconds to verdict <= 2.0 for idle, admission-wedge,
 engine-deadlock and shutdown-hang; <= 3.0 for healthy and starved; <= 5.0 for
@@ -84,6 +90,45 @@ def timed_diagnose(pid: int, extra: tuple[str, ...] = ()) -> tuple[float, float,
     return wall, cpu, sum(waits.values()), verdict
 
 
+def warm_child(pid: int, runs: int) -> None:
+    """In a child of the bench: import wedgectl once, then run `diagnose --pid PID --json` RUNS
+    times through the same entry point (wedgectl.cli.main), printing one JSON line per run: wall
+    s, CPU s (this process's threads and the py-spy and probe children it waited for, by rusage)
+    and the verdict. What a long-lived caller pays per capture once loaded (`wedgectl watch`
+    captures in-process at an episode's onset): the one-shot figure less the start-up."""
+    import contextlib
+    import io
+
+    from wedgectl.cli import main as cli_main
+
+    def cpu() -> float:
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+    for _ in range(runs):
+        out = io.StringIO()
+        c0, t0 = cpu(), time.monotonic()
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            cli_main(["diagnose", "--pid", str(pid), "--json", "-q"])
+        wall, used = time.monotonic() - t0, cpu() - c0
+        try:
+            verdict = json.loads(out.getvalue())["verdict"]
+        except (ValueError, KeyError):
+            verdict = "error"
+        print(json.dumps({"wall": wall, "cpu": used, "verdict": verdict}), flush=True)
+
+
+def timed_warm(pid: int, runs: int) -> list[tuple[float, float, str]]:
+    """(wall s, CPU s, verdict) of each of RUNS in-process diagnoses (warm_child)."""
+    r = subprocess.run([sys.executable, __file__, "--warm-child", str(pid), str(runs)],
+                       capture_output=True, text=True, timeout=120 * runs)
+    got = []
+    for line in r.stdout.splitlines():
+        d = json.loads(line)
+        got.append((d["wall"], d["cpu"], d["verdict"]))
+    return got or [(float("nan"), float("nan"), f"error {r.returncode}")]
+
+
 def _children(pid: int) -> list[int]:
     try:
         return [c.pid for c in psutil.Process(pid).children()]
@@ -116,6 +161,7 @@ def bench_config(name: str, runs: int, out: Path, extra: tuple[str, ...] = (), u
             got.append(timed_diagnose(result.pid, extra))
             if urgent:
                 grouped.append(timed_diagnose(result.pid, ("--urgent",)))
+        warm = timed_warm(result.pid, runs)
     finally:
         kill_session(result.pid)
     walls, cpus, waits, verdicts = zip(*got)
@@ -124,7 +170,11 @@ def bench_config(name: str, runs: int, out: Path, extra: tuple[str, ...] = (), u
            "median_cpu_wait_s": round(statistics.median(waits), 2),
            "right": sum(v == cfg.expected for v in verdicts), "runs": len(verdicts),
            "goal_s": GOAL_S.get(name), "load_avg": round(psutil.getloadavg()[0], 1),
-           "priority": "same" if extra else "low"}
+           "priority": "same" if extra else "low",
+           "warm_verdicts": [v for _, _, v in warm],
+           "warm_median_s": round(statistics.median(w for w, _, _ in warm), 2),
+           "warm_median_cpu_s": round(statistics.median(c for _, c, _ in warm), 3),
+           "warm_right": sum(v == cfg.expected for _, _, v in warm)}
     if grouped:
         g_walls, _, g_waits, g_verdicts = zip(*grouped)
         row |= {"urgent_verdicts": list(g_verdicts),
@@ -163,7 +213,11 @@ def main() -> int:
     ap.add_argument("--urgent", action="store_true",
                     help="also time `diagnose --urgent` after each run (interleaved), side by side: above the "
                          "server's priority, in a session of its own where autogroup applies (docs/design.md)")
+    ap.add_argument("--warm-child", nargs=2, type=int, metavar=("PID", "RUNS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.warm_child:
+        warm_child(*args.warm_child)
+        return 0
     extra = ("--same-priority",) if args.same_priority else ()
     byte_compile()
     rows = []
@@ -187,11 +241,15 @@ def main() -> int:
                           "autogroup": autogroup_on()}))
         return 0
     print()
-    print(f"{'config':<16} {'median s':>9} {'goal s':>7} {'waited s':>9} {'median CPU s':>13} {'goal':>5} {'right':>6}  load")
+    print(f"{'config':<16} {'median s':>9} {'goal s':>7} {'waited s':>9} {'median CPU s':>13} {'goal':>5} {'right':>6}"
+          f"  {'warm CPU s':>10} {'warm s':>7} {'right':>6}  load")
     for r in rows:
         goal = f"{r['goal_s']:.1f}" if r["goal_s"] is not None else "-"
         print(f"{r['name']:<16} {r['median_s']:>9.2f} {goal:>7} {r['median_cpu_wait_s']:>9.2f} {r['median_cpu_s']:>13.2f} "
-              f"{GOAL_CPU_S:>5.1f} {r['right']:>3}/{r['runs']:<2}  {r['load_avg']:.1f} on {cores} cores")
+              f"{GOAL_CPU_S:>5.1f} {r['right']:>3}/{r['runs']:<2}  {r['warm_median_cpu_s']:>10.2f} {r['warm_median_s']:>7.2f} "
+              f"{r['warm_right']:>3}/{r['runs']:<2}  {r['load_avg']:.1f} on {cores} cores")
+    print("warm: the same diagnose run in one process that imported wedgectl once (what `wedgectl watch`'s "
+          "onset capture pays); the one-shot CPU less the warm CPU is the start-up's share")
     if args.urgent:
         print()
         print(f"diagnose --urgent, each run right after one of the above (autogroup {'on' if autogroup_on() else 'off'}):")
