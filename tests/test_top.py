@@ -332,6 +332,10 @@ async def test_with_no_target_the_picker_lists_servers_and_watches_the_chosen_on
         table = app.screen.query_one("#servers")
         await until(pilot, lambda: table.row_count == 1)
         assert cells(table, 0)[:3] == [str(pid), "http://127.0.0.1:8000", "tiny"]
+        # Fixed widths: an auto column sized before its rows came stayed at its header's width
+        # on a loaded host, and showed the URL as "htt".
+        assert [(c.auto_width, c.width) for c in table.columns.values()] == [
+            (False, 7), (False, top_app.URL_WIDTH), (False, top_app.MODEL_WIDTH), (False, 4), (False, top_app.COMMAND_WIDTH)]
         await pilot.press("enter")
         await until(pilot, lambda: app.frame is not None)
         assert not isinstance(app.screen, PickerScreen)

@@ -142,6 +142,11 @@ class ConfirmSwap(ModalScreen[bool]):
         self.dismiss(yes and not self.refused)
 
 
+URL_WIDTH = 30  # http://[IPv6 address]:port fits; 127.0.0.1 and a hostname with room to spare
+MODEL_WIDTH = 40  # the model's path or name, its end kept
+COMMAND_WIDTH = 60
+
+
 class PickerScreen(Screen[int]):
     """No target given: the vLLM servers on this machine; Enter watches one."""
 
@@ -155,12 +160,14 @@ class PickerScreen(Screen[int]):
 
     def on_mount(self) -> None:
         table = self.query_one("#servers", DataTable)
-        # PID and UP get fixed widths (pid_max is 7 digits): an auto column sized before the
-        # first rows arrive was seen to stay at its header's width on a loaded host.
+        # Every column gets a fixed width, the widest its value is cut to (pid_max is 7 digits):
+        # an auto column sized before the first rows arrive was seen to stay at its header's
+        # width on a loaded host ("htt" for the URL).
         table.add_column("PID", width=7)
-        table.add_columns("URL", "MODEL")
+        table.add_column("URL", width=URL_WIDTH)
+        table.add_column("MODEL", width=MODEL_WIDTH)
         table.add_column("UP", width=4)
-        table.add_column("COMMAND")
+        table.add_column("COMMAND", width=COMMAND_WIDTH)
         self.action_rescan()
 
     def action_rescan(self) -> None:
@@ -176,7 +183,8 @@ class PickerScreen(Screen[int]):
         table.clear()
         now = time.time()
         for s in msg.servers:
-            table.add_row(s.pid, s.url or "-", s.model[-40:], model_duration(now - s.started), s.cmdline[:60], key=str(s.pid))
+            table.add_row(s.pid, s.url or "-", s.model[-MODEL_WIDTH:], model_duration(now - s.started),
+                          s.cmdline[:COMMAND_WIDTH], key=str(s.pid))
         self.query_one("#picker-status", Label).update(
             f"{len(msg.servers)} server(s) found" if msg.servers else "no vLLM API server found on this machine (r rescans)")
         table.focus()
