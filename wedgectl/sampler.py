@@ -627,14 +627,14 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
     log_lines, log_notes = _read_log(log_path, LOG_TAIL_BYTES)
     notes += log_notes
     if options.stacks and not burst_taken and samples and samples[-1].processes and verdict is not None:
-        # No burst was taken. "progressing" and a live "starved" need no stacks (starved_live). A first
-        # dump left out for a stepping engine is taken now, on the last sample, for any other
-        # verdict's evidence. "progressing"
-        # read from a log that grew in the window (the live rules could not decide: thin scrapes)
-        # is read again from the log as it is now, which may say otherwise. Live progressing
-        # (counters moving) no log overrules. A hang class the window ended on before its burst
-        # (a loaded host's samples came late, or the first did not look hung) gets the burst now:
-        # whether a rank's frame stayed put is what its verdict and evidence read.
+        # No burst was taken. "progressing" and a live "starved" need no stacks (starved_live). A
+        # first dump left out for a stepping engine is taken now, on the last sample, for any other
+        # verdict's evidence. "progressing" read from a log that grew in the window (the live rules
+        # could not decide: thin scrapes) is read again from the log as it is now, which may say
+        # otherwise. Live progressing (counters moving) no log overrules. A hang class the window
+        # ended on before its burst (a loaded host's samples came late, or the first did not look
+        # hung) gets the burst now: whether a rank's frame stayed put is what its verdict and
+        # evidence read.
         final = verdict
         if not dumped_all and verdict.verdict is VerdictKind.PROGRESSING and verdict.rule.startswith("log_"):
             final = classify(Bundle(manifest, tuple(judged), tuple(log_lines)))
