@@ -394,6 +394,13 @@ def starved_live(verdict: Verdict) -> bool:
     return verdict.verdict is VerdictKind.STARVED and not verdict.rule.startswith("log_")
 
 
+def stacks_cannot_help(verdict: Verdict) -> bool:
+    """A verdict no stack dump moves: a live starved queue (starved_live), or an engine the host
+    gives no CPU (live_engine_waits_for_cpu: where it waits to run is no evidence of a hang, and
+    py-spy would take CPU from a host that has none to spare). It buys no burst and no left-out dump."""
+    return starved_live(verdict) or verdict.rule == "live_engine_waits_for_cpu"
+
+
 def hang_shaped(f: Facts) -> bool:
     """Whether the first sample already looks like a hang: requests waiting with none running (a
     wedge's gauges; a healthy server admits a waiting request within a step), or work in flight
@@ -451,7 +458,7 @@ def next_step(verdict: Verdict, n_samples: int, elapsed_s: float, options: Sampl
         if thin and elapsed_s + options.interval_s <= options.window_s * EXTEND_FACTOR:
             return Step(False, why="window extended: too few scrapes answered to measure a rate")
         return Step(True, why="window over")
-    if not options.stacks or certain or starved_live(verdict):
+    if not options.stacks or certain or stacks_cannot_help(verdict):
         return Step(False)
     if not burst_taken:
         return Step(False, burst=options.stack_burst, why=f"{verdict.verdict.value} ({verdict.confidence:.2f}) not certain: stack burst")
@@ -627,9 +634,9 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
     log_lines, log_notes = _read_log(log_path, LOG_TAIL_BYTES)
     notes += log_notes
     if options.stacks and not burst_taken and samples and samples[-1].processes and verdict is not None:
-        # No burst was taken. "progressing" and a live "starved" need no stacks (starved_live). A
-        # first dump left out for a stepping engine is taken now, on the last sample, for any other
-        # verdict's evidence. "progressing" read from a log that grew in the window (the live rules
+        # No burst was taken. "progressing", a live "starved" and an engine the host starves of
+        # CPU need no stacks (stacks_cannot_help). A first dump left out for a stepping engine is
+        # taken now, on the last sample, for any other verdict's evidence. "progressing" read from a log that grew in the window (the live rules
         # could not decide: thin scrapes) is read again from the log as it is now, which may say
         # otherwise. Live progressing (counters moving) no log overrules. A hang class the window
         # ended on before its burst (a loaded host's samples came late, or the first did not look
@@ -641,7 +648,7 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
             if final.verdict is not VerdictKind.PROGRESSING:
                 say(f"the log now reads {final.verdict.value}")
         n = options.stack_burst if final.verdict in BURST_CLASSES and final.confidence < CERTAIN else 1
-        if final.verdict is not VerdictKind.PROGRESSING and not starved_live(final) and (n > 1 or not dumped_all):
+        if final.verdict is not VerdictKind.PROGRESSING and not stacks_cannot_help(final) and (n > 1 or not dumped_all):
             say("window over before the stack burst: the engine's stacks now" if n > 1 else "stacks of every process")
             dumps, fails = _collect_stacks(samples[-1].processes, options.native, n, others=not dumped_all)
             samples[-1] = replace(samples[-1], stacks=samples[-1].stacks + dumps, failures=samples[-1].failures + tuple(fails))

@@ -103,7 +103,15 @@ def _mostly_binary(chunk: bytes) -> bool:
 
 
 def host_facts() -> dict[str, str]:
-    return {"hostname": socket.gethostname(), "kernel": os.uname().release, "tz": time.strftime("%z")}
+    """The host a bundle was captured on; with its CPUs and load, so a reader can tell a host too
+    busy to run the engine from an engine that stopped."""
+    facts = {"hostname": socket.gethostname(), "kernel": os.uname().release, "tz": time.strftime("%z")}
+    try:
+        facts["loadavg"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        pass
+    facts["cpus"] = str(len(os.sched_getaffinity(0)))
+    return facts
 
 
 def bundle_from_log(path: str | Path) -> Bundle:

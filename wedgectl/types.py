@@ -179,6 +179,9 @@ class ProcessSample:
     # Seconds its main thread had gone without a CPU at this sample (0: running or runnable); read
     # for the EngineCore and Workers, whose main threads take every step. None: not read.
     main_quiet_s: float | None = None
+    # Seconds its main thread has spent runnable, waiting for a CPU, since it started (schedstat's run
+    # delay); read for the same processes. None: not read.
+    main_runq_s: float | None = None
 
     @property
     def cpu_s(self) -> float:

@@ -1,4 +1,5 @@
-"""A saturated real vLLM server (8 concurrent streams on a small host) is `progressing`, decided on two answered scrapes."""
+"""A real vLLM server on a host short of CPU: saturated by 8 concurrent streams it is `progressing`, decided on two
+answered scrapes; held by a CPU limit to next to no CPU it is no hang."""
 
 from __future__ import annotations
 
@@ -9,14 +10,21 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import psutil
 import pytest
 
 from wedgectl.bundle import read_bundle
 from wedgectl.classify import classify
+from wedgectl.classify.facts import CPU_WAIT_SHARE, Facts
+from wedgectl.collect.processes import STEPPING_ROLES, role_of
+from wedgectl.exitcodes import VERDICT_CODES
 from wedgectl.sampler import CERTAIN, engine_stepping
 from wedgectl.types import VerdictKind
+
+HANGS = {VerdictKind.ENGINE_DEADLOCK, VerdictKind.ADMISSION_WEDGE, VerdictKind.COLLECTIVE_HANG,
+         VerdictKind.SHUTDOWN_HANG, VerdictKind.ENGINE_DEAD}
 
 pytestmark = pytest.mark.integration
 
@@ -62,3 +70,86 @@ def test_saturated_server_is_progressing_without_waiting_out_the_window(vllm_pyt
     # The load was real: the API server held the streams' connections.
     api = [p for p in b.samples[-1].processes if p.pid == pid]
     assert api and (api[0].connections or 0) >= 4
+
+
+# --- an engine its CPU limit starves -------------------------------------------------
+
+
+class CpuLimit:
+    """A CPU cgroup limited to QUOTA_US per PERIOD_US (what a container's CPU limit does, set far too
+    low), cgroup v1's cpu controller or v2's cpu.max; processes moved in keep their threads together."""
+
+    QUOTA_US, PERIOD_US = 1000, 1_000_000
+
+    def __init__(self) -> None:
+        v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+        self.v1 = (v1 / "cpu.cfs_quota_us").exists()
+        self.root = v1 if self.v1 else v2
+        self.dir = self.root / f"wedgectl-test-{os.getpid()}"
+
+    def __enter__(self) -> CpuLimit:
+        try:
+            if not self.v1:
+                if "cpu" not in (self.root / "cgroup.controllers").read_text().split():
+                    raise OSError("no cpu controller in cgroup v2")
+                (self.root / "cgroup.subtree_control").write_text("+cpu")
+            self.dir.mkdir()
+            if self.v1:
+                (self.dir / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+                (self.dir / "cpu.cfs_quota_us").write_text(str(self.QUOTA_US))
+            else:
+                (self.dir / "cpu.max").write_text(f"{self.QUOTA_US} {self.PERIOD_US}")
+        except OSError as exc:
+            self.dir.rmdir() if self.dir.exists() else None
+            pytest.skip(f"cannot set a CPU limit on this host: {exc}")
+        return self
+
+    def add(self, pid: int) -> None:
+        (self.dir / "cgroup.procs").write_text(str(pid))
+
+    def __exit__(self, *exc: object) -> None:
+        for line in (self.dir / "cgroup.procs").read_text().split():
+            try:
+                (self.root / "cgroup.procs").write_text(line)
+            except OSError:
+                pass  # gone meanwhile
+        self.dir.rmdir()
+
+
+def test_an_engine_its_cpu_limit_starves_is_not_called_a_deadlock(vllm_python, tmp_path):
+    """The `healthy` repro's stream, its EngineCore and Worker then held to 1 ms of CPU a second with
+    a busy loop beside them in the same limit: no token comes, the engine's main threads queue for
+    a CPU they are not given. Frozen counters with work in flight and an engine using no CPU read
+    as a certain engine deadlock before the run delay was read; now no hang is named, and the
+    verdict says the engine is waiting for a CPU."""
+    r = subprocess.run([sys.executable, "-m", "wedgectl", "repro", "healthy", "--keep", "--json",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=400)
+    assert r.stdout.strip(), r.stderr[-3000:]
+    pid = json.loads(r.stdout)["pid"]
+    hog = None
+    try:
+        engine = [p.pid for p in psutil.Process(pid).children(recursive=True) if role_of(p) in STEPPING_ROLES]
+        assert len(engine) == 2, engine
+        with CpuLimit() as limit:
+            hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for p in (*engine, hog.pid):
+                limit.add(p)
+            time.sleep(2.0)  # the quota of the period under way runs out
+            d = subprocess.run([sys.executable, "-m", "wedgectl", "diagnose", "--pid", str(pid), "--json", "-q",
+                                "--window", "8", "--save-bundle", str(tmp_path / "limited.tar.gz")],
+                               capture_output=True, text=True, timeout=120)
+            hog.kill()
+            hog.wait()
+    finally:
+        if hog is not None and hog.poll() is None:
+            hog.kill()
+        _end_session(pid)
+    out = json.loads(d.stdout)
+    print(out["verdict"], out["rule"], " | ".join(e["what"] for e in out["evidence"]))
+    assert out["verdict"] in ("inconclusive", "progressing") and d.returncode == VERDICT_CODES[VerdictKind(out["verdict"])]
+    b = read_bundle(tmp_path / "limited.tar.gz")
+    _, waited, span = Facts(b).engine_cpu_wait
+    assert waited >= CPU_WAIT_SHARE * span
+    rules = [classify(replace(b, samples=b.samples[:k])) for k in range(2, len(b.samples) + 1)]
+    assert not [v.verdict for v in rules if v.verdict in HANGS], [(v.verdict, v.rule) for v in rules]
+    assert "live_engine_waits_for_cpu" in [v.rule for v in rules]

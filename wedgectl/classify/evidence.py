@@ -6,7 +6,7 @@ import datetime as _dt
 import re
 
 from wedgectl import stacks as stk
-from wedgectl.classify.facts import PARKED_CORES, SPINNING_CORES, Facts
+from wedgectl.classify.facts import CPU_WAIT_SHARE, PARKED_CORES, SPINNING_CORES, Facts
 from wedgectl.logparse import FailureLine, StatsLine, format_stamp
 from wedgectl.types import Evidence, ProcessSample, Role
 
@@ -113,6 +113,23 @@ def stepless_evidence(f: Facts) -> Evidence | None:
                     values={"stepless_s": round(q, 2), "pids": [p.pid for p in f.stepless_processes]})
 
 
+def cpu_wait_evidence(f: Facts) -> Evidence | None:
+    """An engine main thread runnable but off a CPU for CPU_WAIT_SHARE of the window or more
+    (Facts.engine_cpu_wait): the host, not the engine, sets the pace."""
+    w = f.engine_cpu_wait
+    if w is None or w[1] < CPU_WAIT_SHARE * w[2]:
+        return None
+    p, waited, span = w
+    role = {Role.ENGINE_CORE: "EngineCore", Role.WORKER: "Worker"}.get(p.role, p.role.value)
+    host = f.bundle.manifest.host
+    load = host.get("loadavg", "").split()
+    on = f" (load {load[0]} on {host['cpus']} CPUs at the capture's start)" if load and host.get("cpus") else ""
+    return Evidence("proc", f"{role} pid {p.pid}'s main thread was runnable but waited for a CPU {waited:.1f} s "
+                    f"of {span:.1f} s: it was given none{on}",
+                    values={"pid": p.pid, "runq_s": round(waited, 2), "span_s": round(span, 2),
+                            "loadavg": host.get("loadavg"), "cpus": host.get("cpus")})
+
+
 def engine_cpu_evidence(f: Facts) -> Evidence | None:
     cores = f.engine_cores
     if cores is None:
@@ -120,6 +137,8 @@ def engine_cpu_evidence(f: Facts) -> Evidence | None:
     p = f.engine_core
     core, workers = f.engine_core_cores, f.worker_cores
     state = "spinning" if cores >= SPINNING_CORES else "parked" if cores <= PARKED_CORES else "busy"
+    if state == "parked" and f.engine_waits_for_cpu:
+        state = "runnable, given no CPU"
     split = f"EngineCore {core or 0:.2f}" + (f" + Workers {workers:.2f}" if workers is not None else "")
     return Evidence(
         source="proc",

@@ -22,6 +22,10 @@ CERTAIN_FROZEN_S = 10.0  # frozen this long with work in flight is past any sane
 SHORT_SPAN_S = 0.8  # two scrapes about a second apart: a window that other evidence may extend or decide
 LOG_SILENCE_S = 25.0  # vLLM logs stats every 10 s at INFO while tokens flow; two missed lines
 STATS_INTERVAL_S = 10.0  # VLLM_LOG_STATS_INTERVAL's default
+# An engine main thread runnable but off a CPU for at least this share of the window is starved by
+# the host: a blocked engine parks (its run delay stands still), a starved one queues for a CPU.
+# Measured on a 2-core host at load ~9: the EngineCore runnable, 0.00 cores, for 3 s of 3 s.
+CPU_WAIT_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -285,6 +289,39 @@ class Facts:
     def engine_spinning(self) -> bool:
         """The engine burns at least SPINNING_CORES: its busy loop keeps stepping."""
         return self.engine_cores is not None and self.engine_cores >= SPINNING_CORES
+
+    @cached_property
+    def engine_cpu_wait(self) -> tuple[ProcessSample, float, float] | None:
+        """The EngineCore or Worker whose main thread waited longest for a CPU over the window, as a
+        share of the time between its first and last reading: (its last sample, seconds runnable
+        but off a CPU, seconds between the readings), from schedstat's run delay
+        (ProcessSample.main_runq_s). None with fewer than two readings SHORT_SPAN_S apart."""
+        first: dict[int, tuple[float, float]] = {}
+        last: dict[int, tuple[float, float, ProcessSample]] = {}
+        for s in self.samples:
+            for p in s.processes:
+                if p.main_runq_s is None:
+                    continue
+                first.setdefault(p.pid, (s.t, p.main_runq_s))
+                last[p.pid] = (s.t, p.main_runq_s, p)
+        best: tuple[ProcessSample, float, float] | None = None
+        for pid, (t1, r1, p) in last.items():
+            t0, r0 = first[pid]
+            span = t1 - t0
+            if span < SHORT_SPAN_S:
+                continue
+            waited = max(0.0, r1 - r0)
+            if best is None or waited / span > best[1] / best[2]:
+                best = (p, waited, span)
+        return best
+
+    @cached_property
+    def engine_waits_for_cpu(self) -> bool:
+        """The host, not the engine, stopped the steps: an engine main thread was runnable but off a
+        CPU for CPU_WAIT_SHARE of the window, while the engine got at most PARKED_CORES. A frozen
+        counter then says nothing about a hang: the engine was never given the CPU to step."""
+        w = self.engine_cpu_wait
+        return w is not None and w[1] >= CPU_WAIT_SHARE * w[2] and self.engine_parked
 
     @cached_property
     def engine_parked(self) -> bool:

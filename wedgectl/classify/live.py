@@ -8,6 +8,7 @@ from wedgectl.classify.collective import COLLECTIVE_RULE
 from wedgectl.classify.evidence import (
     STARVED_ADVICE,
     counter_evidence,
+    cpu_wait_evidence,
     engine_cpu_evidence,
     engine_stack_evidence,
     failure_evidence,
@@ -174,6 +175,37 @@ def _admission_wedge_verdict(f: Facts) -> Verdict:
     )
 
 
+# ------------------------------------------------------- an engine the host starves
+
+
+def live_engine_waits_for_cpu(f: Facts) -> bool:
+    """What would read as an engine deadlock, but the engine was never given a CPU to step on: an
+    EngineCore or Worker main thread runnable yet off a CPU for most of the window (schedstat's
+    run delay grew), the engine using next to no CPU. A blocked engine parks, and its run delay
+    stands still; this one queues behind the host's other work (seen on a 2-core host at load ~9:
+    the EngineCore runnable with 0.00 cores for 3 s while 8 streams were being served). Frozen
+    counters then say nothing about a hang, so no hang is named; the capture goes on."""
+    return f.engine_waits_for_cpu and live_engine_deadlock(f)
+
+
+def _waits_for_cpu_verdict(f: Facts) -> Verdict:
+    _, waited, span = f.engine_cpu_wait or (None, 0.0, 0.0)
+    ev = [metrics_evidence(f, f"{f.running:.0f} running, {f.waiting:.0f} waiting, all gauges frozen"), counter_evidence(f)]
+    ev += present(cpu_wait_evidence(f), engine_cpu_evidence(f))
+    return Verdict(
+        VerdictKind.INCONCLUSIVE, C.INCONCLUSIVE,
+        f"The engine is waiting for a CPU, not stopped: its counters are frozen because the host gave it "
+        f"none for {fmt_duration(waited)}. A hang cannot be told from that.",
+        "live_engine_waits_for_cpu", tuple(ev),
+        ("Find what holds the CPUs: the host's other work (`top -o %CPU`), or the container's CPU limit "
+         "throttling the engine (cgroup cpu.stat's throttled time). Then diagnose again: a blocked engine "
+         "parks and waits for no CPU, so this capture shows no hang yet.",
+         "Sample longer (--window 20): once the engine gets a CPU its counters move, or it parks."),
+        {"runq_s": round(waited, 2), "span_s": round(span, 2), "engine_cores": f.engine_cores,
+         "running": f.running, "waiting": f.waiting},
+    )
+
+
 # -------------------------------------------------------------- engine deadlock
 
 
@@ -296,7 +328,8 @@ def _progressing_verdict(f: Facts) -> Verdict:
     return Verdict(
         VerdictKind.PROGRESSING, C.PROGRESSING_LIVE,
         f"Serving: {g.rate or 0:.1f} tokens/s, {f.running:.0f} running, {f.waiting:.0f} waiting.",
-        "live_progressing", present(counter_evidence(f), metrics_evidence(f, "gauges at the last scrape"), engine_cpu_evidence(f)),
+        "live_progressing", present(counter_evidence(f), metrics_evidence(f, "gauges at the last scrape"), engine_cpu_evidence(f),
+                                    cpu_wait_evidence(f)),
         (), {"tokens_per_s": round(g.rate or 0, 2)},
     )
 
@@ -321,6 +354,7 @@ LIVE_RULES: tuple[Rule, ...] = (
     Rule(live_shutdown_hang, _shutdown_hang_verdict),
     COLLECTIVE_RULE,
     Rule(live_admission_wedge, _admission_wedge_verdict),
+    Rule(live_engine_waits_for_cpu, _waits_for_cpu_verdict),
     Rule(live_engine_deadlock, _engine_deadlock_verdict),
     LEAK_RULE,
     Rule(live_starved, _starved_verdict),

@@ -456,6 +456,7 @@ def sample_process(
         threads, thread_failures = procfs.read_threads(pid, proc_root, timeout=timeout, unchanged=threads_memo)
         failures.extend(thread_failures)
 
+    main_sched = procfs.main_thread_sched(pid, proc_root) if role in STEPPING_ROLES else (None, None)
     sample = ProcessSample(
         pid=pid,
         ppid=stat.ppid if stat else 0,
@@ -472,7 +473,8 @@ def sample_process(
         threads=threads,
         started=_create_time(proc),
         devices=devices,
-        main_quiet_s=procfs.main_thread_quiet_s(pid, proc_root) if role in STEPPING_ROLES else None,
+        main_quiet_s=main_sched[0],
+        main_runq_s=main_sched[1],
     )
     return sample, tuple(failures)
 

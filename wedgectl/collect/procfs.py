@@ -623,31 +623,50 @@ CLOCK = SchedClock()
 
 def main_thread_quiet_s(pid: int, proc_root: Path = PROC, clock: SchedClock | None = None) -> float | None:
     """How long a process's main thread has gone without a CPU, now: 0 while it runs or waits
-    for one, None where it cannot be read (no CONFIG_SCHED_DEBUG, a CPU out of reach).
+    for one, None where it cannot be read (no CONFIG_SCHED_DEBUG, a CPU out of reach)."""
+    return main_thread_sched(pid, proc_root, clock)[0]
+
+
+def main_thread_sched(pid: int, proc_root: Path = PROC,
+                      clock: SchedClock | None = None) -> tuple[float | None, float | None]:
+    """(quiet_s, runq_s) of a process's main thread, now.
+
+    quiet_s: how long it has gone without a CPU; 0 while it runs or waits for one.
+    runq_s: how long, since it started, it has been runnable but waiting for a CPU: schedstat's
+    run delay (waits that ended) plus, while it is runnable (state R), the wait under way since it
+    last ran. Its growth between two samples tells a thread that wanted a CPU and got none (a
+    host too busy to run it) from one parked on purpose (its run delay stands still). The run
+    delay alone would miss a thread that has not run at all since: the kernel adds a wait to it
+    only when the wait ends.
 
     se.exec_start is stamped on the clock of the CPU the thread ran on; stat names that CPU. The
     sched file is read on both sides of stat and must not change in between: then the thread did
     not run between the reads, and the CPU stat names is the one that stamped it. A migration
-    zeroes exec_start, which reads as unknown."""
+    zeroes exec_start, which reads as unknown. Either figure is None where it cannot be read (no
+    CONFIG_SCHED_DEBUG or schedstat, a CPU out of reach, the process gone)."""
     base = proc_root / str(pid)
     first = _read_or_none(base / "sched")
     stat_text = _read_or_none(base / "stat")
+    schedstat = _read_or_none(base / "schedstat")
     second = _read_or_none(base / "sched")
-    if first is None or stat_text is None or second is None:
-        return None
+    if stat_text is None:
+        return None, None
     try:
         st = parse_stat(stat_text)
     except (ValueError, IndexError):
-        return None
+        return None, None
+    counted = parse_schedstat(schedstat) if schedstat else None
+    delay = counted[1] / 1e9 if counted else None
+    since: float | None = None  # seconds since it last ran
+    es = parse_exec_start(first) if first is not None and second is not None else None
+    if es and es == parse_exec_start(second or "") and st.processor is not None:
+        offset = (clock or CLOCK).offset(st.processor)
+        if offset is not None:
+            since = max(0.0, time.monotonic() - (es + offset))
     if st.state == "R":
-        return 0.0
-    es = parse_exec_start(first)
-    if not es or es != parse_exec_start(second) or st.processor is None:
-        return None
-    offset = (clock or CLOCK).offset(st.processor)
-    if offset is None:
-        return None
-    return max(0.0, time.monotonic() - (es + offset))
+        # Running (exec_start a tick old at most) or queued for a CPU since it last ran.
+        return 0.0, (delay + since if delay is not None and since is not None else None)
+    return since, delay
 
 
 # ---------------------------------------------------------------------------

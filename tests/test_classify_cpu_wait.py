@@ -1,0 +1,145 @@
+"""An engine the host gives no CPU is not a hung engine, on a recorded capture and recorded /proc texts.
+
+tests/fixtures/bundles/engine-starved-of-cpu.tar.gz is `wedgectl diagnose --pid` of a real
+vLLM 0.32 server serving the `healthy` repro's stream, its EngineCore and Worker moved into a
+CPU cgroup limited to 1 ms a second (what a container's CPU limit does when set far too low),
+on a 2-core host at load ~15. For five seconds no token came: the Worker's main thread was
+runnable all along, queued for a CPU it was not given. Then a token, and the capture stopped
+on `progressing`. Before the run delay was read, the first four samples read as an engine
+deadlock at 0.95: a certain verdict, and a capture that would have stopped on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from wedgectl.bundle import read_bundle
+from wedgectl.classify import classify
+from wedgectl.classify.facts import CPU_WAIT_SHARE, Facts
+from wedgectl.collect import procfs
+from wedgectl.sampler import CERTAIN, SamplerOptions, next_step, stacks_cannot_help
+from wedgectl.types import Bundle, Role, VerdictKind
+
+from test_probes import _FixedClock  # noqa: E402  (a scheduler clock with given offsets; same folder)
+
+BUNDLE = Path(__file__).parent / "fixtures" / "bundles" / "engine-starved-of-cpu.tar.gz"
+HANGS = {VerdictKind.ENGINE_DEADLOCK, VerdictKind.ADMISSION_WEDGE, VerdictKind.COLLECTIVE_HANG,
+         VerdictKind.SHUTDOWN_HANG, VerdictKind.ENGINE_DEAD}
+
+
+def load() -> Bundle:
+    return replace(read_bundle(BUNDLE), verdict=None)
+
+
+def prefix(b: Bundle, k: int) -> Bundle:
+    return replace(b, samples=b.samples[:k])
+
+
+def blind(b: Bundle) -> Bundle:
+    """The same capture without the run delay: what wedgectl read before it collected one."""
+    return replace(b, samples=tuple(replace(s, processes=tuple(replace(p, main_runq_s=None) for p in s.processes))
+                                    for s in b.samples))
+
+
+def test_no_prefix_of_the_capture_names_a_hang():
+    b = load()
+    verdicts = [classify(prefix(b, k)) for k in range(2, len(b.samples) + 1)]
+    assert not [v.verdict for v in verdicts if v.verdict in HANGS]
+    assert [v.rule for v in verdicts].count("live_engine_waits_for_cpu") == 3  # the three frozen samples
+    assert verdicts[-1].verdict is VerdictKind.PROGRESSING  # the token came: what the capture stopped on
+
+
+def test_without_the_run_delay_the_same_samples_read_as_a_certain_deadlock():
+    """The evidence the rule leans on, taken away: the frozen samples are a deadlock at 0.95 again."""
+    b = blind(load())
+    v = classify(prefix(b, 4))
+    assert v.verdict is VerdictKind.ENGINE_DEADLOCK and v.confidence >= CERTAIN
+
+
+def test_the_frozen_samples_say_the_engine_waited_for_a_cpu():
+    b = prefix(load(), 6)
+    f = Facts(b)
+    p, waited, span = f.engine_cpu_wait
+    assert p.role is Role.WORKER and p.pid == 10416
+    assert waited >= CPU_WAIT_SHARE * span and span > 4.0
+    assert f.engine_waits_for_cpu and f.engine_cores is not None and f.engine_cores < 0.05
+    v = classify(b)
+    assert (v.verdict, v.confidence, v.rule) == (VerdictKind.INCONCLUSIVE, 0.0, "live_engine_waits_for_cpu")
+    assert v.facts["runq_s"] == round(waited, 2) and v.facts["running"] == 1  # one request in flight then
+    line = next(e for e in v.evidence if "waited for a CPU" in e.what)
+    assert line.values["pid"] == 10416 and line.values["cpus"] == "2"
+    assert "load 15.77 on 2 CPUs" in line.what
+    assert any("runnable, given no CPU" in e.what for e in v.evidence)  # not "parked"
+
+
+def test_a_slow_but_progressing_engine_says_why_it_is_slow():
+    v = classify(load())
+    assert v.verdict is VerdictKind.PROGRESSING
+    assert any("waited for a CPU" in e.what for e in v.evidence)
+
+
+def test_the_verdict_buys_no_stacks_and_the_capture_runs_to_its_window():
+    b = prefix(load(), 4)
+    v = classify(b)
+    assert stacks_cannot_help(v)
+    elapsed = b.samples[-1].t - b.samples[0].t
+    step = next_step(v, 4, elapsed, SamplerOptions(window_s=6.0), False, False)
+    assert not step.stop and step.burst == 0 and not step.probes
+    assert next_step(v, 4, 5.6, SamplerOptions(window_s=6.0), False, False).stop  # the window still bounds it
+
+
+def test_a_parked_deadlock_is_untouched_by_the_rule():
+    """A real deadlock's main threads park: their run delay stands still, so the rule stays out."""
+    b = read_bundle(Path(__file__).parent / "fixtures" / "bundles" / "engine-deadlock.tar.gz")
+    still = replace(b, samples=tuple(replace(s, processes=tuple(
+        replace(p, main_runq_s=1.5 if p.role in (Role.ENGINE_CORE, Role.WORKER) else None) for p in s.processes))
+        for s in b.samples))
+    f = Facts(still)
+    assert f.engine_cpu_wait is not None and f.engine_cpu_wait[1] == 0.0 and not f.engine_waits_for_cpu
+    assert classify(still).verdict is VerdictKind.ENGINE_DEADLOCK
+
+
+# --- the /proc side: recorded texts of a main thread queued for a CPU ------------------
+
+STAT_R = ("10416 (VLLM::Worker) R 10396 10309 10309 0 -1 4194368 21 0 0 0 3 1 0 0 20 0 46 0 123456 0 0 "
+          "18446744073709551615 0 0 0 0 0 0 0 0 0 0 0 0 17 1 0 0 0 0 0")
+SCHED = """VLLM::Worker (10416, #threads: 46)
+-------------------------------------------------------------------
+se.exec_start                                :       2022667.010839
+se.vruntime                                  :           115.061254
+"""
+
+
+def _tree(tmp_path: Path, stat: str, sched: str | None, schedstat: str | None) -> None:
+    d = tmp_path / "10416"
+    d.mkdir(exist_ok=True)
+    for name, text in (("stat", stat), ("sched", sched), ("schedstat", schedstat)):
+        if text is None:
+            (d / name).unlink(missing_ok=True)
+        else:
+            (d / name).write_text(text)
+
+
+def test_a_queued_main_thread_counts_the_wait_under_way(tmp_path: Path, monkeypatch) -> None:
+    """Runnable (R) and last on a CPU at 2027.667 s of the monotonic clock: at 2040 s it has queued
+    12.3 s, which the run delay (waits that ended: 120.1 s) does not hold yet."""
+    monkeypatch.setattr(procfs.time, "monotonic", lambda: 2040.0)
+    clock = _FixedClock({1: 5.0})
+    _tree(tmp_path, STAT_R, SCHED, "35212899093 120110000000 48499")
+    quiet, runq = procfs.main_thread_sched(10416, tmp_path, clock)
+    assert quiet == 0.0  # runnable: not a step it skipped by choice
+    assert runq == pytest.approx(120.11 + (2040.0 - 2027.667010839))
+    # asleep (S): its own quiet, and the run delay as it stands
+    _tree(tmp_path, STAT_R.replace(") R ", ") S ", 1), SCHED, "35212899093 120110000000 48499")
+    quiet, runq = procfs.main_thread_sched(10416, tmp_path, clock)
+    assert quiet == pytest.approx(2040.0 - 2027.667010839) and runq == pytest.approx(120.11)
+    # runnable with its last run unknown (a CPU out of reach): the wait under way is unknown too
+    _tree(tmp_path, STAT_R, SCHED, "35212899093 120110000000 48499")
+    assert procfs.main_thread_sched(10416, tmp_path, _FixedClock({0: 5.0})) == (0.0, None)
+    # no schedstat: no run delay; no sched either: the quiet of a sleeper is unknown
+    _tree(tmp_path, STAT_R.replace(") R ", ") S ", 1), None, None)
+    assert procfs.main_thread_sched(10416, tmp_path, clock) == (None, None)
+    assert procfs.main_thread_sched(999, tmp_path, clock) == (None, None)  # gone
