@@ -139,7 +139,11 @@ def test_a_queued_main_thread_counts_the_wait_under_way(tmp_path: Path, monkeypa
     # runnable with its last run unknown (a CPU out of reach): the wait under way is unknown too
     _tree(tmp_path, STAT_R, SCHED, "35212899093 120110000000 48499")
     assert procfs.main_thread_sched(10416, tmp_path, _FixedClock({0: 5.0})) == (0.0, None)
-    # no schedstat: no run delay; no sched either: the quiet of a sleeper is unknown
+    # no schedstat: no run delay; no sched either: the quiet is unknown, the run delay of a sleeper is not
     _tree(tmp_path, STAT_R.replace(") R ", ") S ", 1), None, None)
     assert procfs.main_thread_sched(10416, tmp_path, clock) == (None, None)
+    _tree(tmp_path, STAT_R.replace(") R ", ") S ", 1), None, "35212899093 120110000000 48499")
+    assert procfs.main_thread_sched(10416, tmp_path, clock) == (None, pytest.approx(120.11))
+    _tree(tmp_path, STAT_R, None, "35212899093 120110000000 48499")
+    assert procfs.main_thread_sched(10416, tmp_path, clock) == (None, None)  # queued since when: unknown
     assert procfs.main_thread_sched(999, tmp_path, clock) == (None, None)  # gone

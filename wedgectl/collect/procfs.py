@@ -657,13 +657,16 @@ def main_thread_sched(pid: int, proc_root: Path = PROC,
         return None, None
     counted = parse_schedstat(schedstat) if schedstat else None
     delay = counted[1] / 1e9 if counted else None
+    runnable = st.state == "R"
+    if first is None or second is None:
+        return None, None if runnable else delay
     since: float | None = None  # seconds since it last ran
-    es = parse_exec_start(first) if first is not None and second is not None else None
-    if es and es == parse_exec_start(second or "") and st.processor is not None:
+    es = parse_exec_start(first)
+    if es and es == parse_exec_start(second) and st.processor is not None:
         offset = (clock or CLOCK).offset(st.processor)
         if offset is not None:
             since = max(0.0, time.monotonic() - (es + offset))
-    if st.state == "R":
+    if runnable:
         # Running (exec_start a tick old at most) or queued for a CPU since it last ran.
         return 0.0, (delay + since if delay is not None and since is not None else None)
     return since, delay
