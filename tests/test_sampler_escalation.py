@@ -593,6 +593,13 @@ def test_a_hang_the_window_ends_on_before_its_burst_gets_the_burst_then(monkeypa
     monkeypatch.setattr(sampler, "_dump_burst", lambda pid, native, n: dumps.append((pid, n))
                         or recorded_dumps(b.samples[0] if n == 1 else burst_sample, pid)[:n])
     monkeypatch.setattr(sampler, "hang_shaped", lambda f: False)  # the first sample did not look hung
+    # The window is over at the second sample (a quick look, 0.3 s in), before the escalation's burst;
+    # its thin scrapes stretch it, which asks for no burst. Stretched to 3 times its length, 3.6 s,
+    # the capture ends once the scrapes span MIN_FROZEN_S (the 4th sample, ~2 s in, or the 5th): a
+    # hang can be named, not yet certain. (Stretched to twice, it always ended on the 4th, where
+    # whether the scrapes spanned MIN_FROZEN_S, and a hang could be named at all, turned on a
+    # loaded host's timing.)
+    monkeypatch.setattr(sampler, "EXTEND_FACTOR", 3.0)
     options = SamplerOptions(window_s=1.2, interval_s=1.0)
     said: list[str] = []
     out = sampler._capture(dep, dep.root_pid, None, None, replace(options, progress=said.append), RecordedScraper(b),
