@@ -21,7 +21,7 @@ from wedgectl.classify import classify
 from wedgectl.classify.facts import CPU_WAIT_SHARE, Facts
 from wedgectl.collect import procfs
 from wedgectl.sampler import CERTAIN, SamplerOptions, next_step, stacks_cannot_help
-from wedgectl.types import Bundle, Role, VerdictKind
+from wedgectl.types import Bundle, CpuLimit, Role, VerdictKind
 
 from test_probes import _FixedClock  # noqa: E402  (a scheduler clock with given offsets; same folder)
 
@@ -147,3 +147,63 @@ def test_a_queued_main_thread_counts_the_wait_under_way(tmp_path: Path, monkeypa
     _tree(tmp_path, STAT_R, None, "35212899093 120110000000 48499")
     assert procfs.main_thread_sched(10416, tmp_path, clock) == (None, None)  # queued since when: unknown
     assert procfs.main_thread_sched(999, tmp_path, clock) == (None, None)  # gone
+
+
+# --- a container's CPU limit: the cgroup's quota and throttling counters -------------------
+
+V1_STAT = "nr_periods 4\nnr_throttled 4\nthrottled_time 1300385579\nnr_bursts 0\nburst_time 0\n"  # read here, v1
+V2_STAT = ("usage_usec 8123456\nuser_usec 7000000\nsystem_usec 1123456\nnr_periods 120\nnr_throttled 90\n"
+           "throttled_usec 41000000\nnr_bursts 0\nburst_usec 0\n")
+
+
+def _cgroup_tree(tmp_path: Path, cgroup: str, files: dict[str, str]) -> tuple[Path, Path]:
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "10416").mkdir(parents=True, exist_ok=True)
+    (proc / "10416" / "cgroup").write_text(cgroup)
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return proc, root
+
+
+def test_a_v1_cpu_limit_and_its_throttling(tmp_path: Path) -> None:
+    proc, root = _cgroup_tree(tmp_path, "11:cpuacct:/\n3:cpu:/wedgectl-test-42\n0::/\n", {
+        "cpu/wedgectl-test-42/cpu.stat": V1_STAT, "cpu/wedgectl-test-42/cpu.cfs_quota_us": "1000\n",
+        "cpu/wedgectl-test-42/cpu.cfs_period_us": "1000000\n"})
+    lim = procfs.read_cpu_limit(10416, proc, root)
+    assert (lim.quota_us, lim.period_us, lim.periods, lim.throttled) == (1000, 1000000, 4, 4)
+    assert lim.cpus == pytest.approx(0.001)
+    (root / "cpu/wedgectl-test-42/cpu.cfs_quota_us").write_text("-1\n")  # no limit
+    assert procfs.read_cpu_limit(10416, proc, root) is None
+
+
+def test_a_v2_cpu_limit_and_what_is_not_one(tmp_path: Path) -> None:
+    proc, root = _cgroup_tree(tmp_path, "0::/kubepods/pod7/ctr\n", {
+        "kubepods/pod7/ctr/cpu.max": "50000 100000\n", "kubepods/pod7/ctr/cpu.stat": V2_STAT})
+    lim = procfs.read_cpu_limit(10416, proc, root)
+    assert (lim.quota_us, lim.period_us, lim.periods, lim.throttled, lim.cpus) == (50000, 100000, 120, 90, 0.5)
+    (root / "kubepods/pod7/ctr/cpu.max").write_text("max 100000\n")
+    assert procfs.read_cpu_limit(10416, proc, root) is None
+    (root / "kubepods/pod7/ctr/cpu.max").write_text("lots 100000\n")  # garbage: no reading, no error
+    assert procfs.read_cpu_limit(10416, proc, root) is None
+    (proc / "10416" / "cgroup").write_text("0::/another/namespace\n")  # a path not under this mount
+    assert procfs.read_cpu_limit(10416, proc, root) is None
+    assert procfs.read_cpu_limit(999, proc, root) is None  # gone
+
+
+def test_a_throttled_engine_names_its_cpu_limit():
+    """The recorded capture with the limit's counters as the cgroup gave them (the limit, 1 ms a
+    second, ran out in every period): the evidence names the limit, the advice says raise it."""
+    b = prefix(load(), 6)
+    samples = []
+    for i, s in enumerate(b.samples):
+        samples.append(replace(s, processes=tuple(
+            replace(p, cpu_limit=CpuLimit(1000, 1_000_000, 40 + i, 40 + i)) if p.main_runq_s is not None else p
+            for p in s.processes)))
+    v = classify(replace(b, samples=tuple(samples)))
+    assert v.rule == "live_engine_waits_for_cpu"
+    line = next(e for e in v.evidence if "waited for a CPU" in e.what)
+    assert "CPU limit (0.001 CPUs: 1000 µs of every 1000000 µs) throttled it in 5 of 5 periods" in line.what
+    assert (line.values["throttled_periods"], line.values["periods"]) == (5, 5)
+    assert v.advice[0].startswith("Raise the engine's CPU limit")
+    assert classify(b).advice[0].startswith("Find what holds the CPUs")  # no limit read: the host's other work

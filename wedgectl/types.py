@@ -158,6 +158,22 @@ _RANK_PART = re.compile(r"_([A-Z]+)(\d+)")
 
 
 @dataclass(frozen=True)
+class CpuLimit:
+    """The CPU limit of a process's cgroup (a container's `resources.limits.cpu`) and its throttling
+    counters, as read at one sample: cgroup v2's cpu.max and cpu.stat, or v1's cfs_quota_us,
+    cfs_period_us and cpu.stat."""
+
+    quota_us: int  # CPU time the cgroup may use in each period
+    period_us: int
+    periods: int  # enforcement periods so far (nr_periods)
+    throttled: int  # of those, the ones in which it ran out of quota and waited (nr_throttled)
+
+    @property
+    def cpus(self) -> float:
+        return self.quota_us / self.period_us if self.period_us else 0.0
+
+
+@dataclass(frozen=True)
 class ProcessSample:
     """One process of the deployment at one instant."""
 
@@ -182,6 +198,7 @@ class ProcessSample:
     # Seconds its main thread has spent runnable, waiting for a CPU, since it started (schedstat's run
     # delay); read for the same processes. None: not read.
     main_runq_s: float | None = None
+    cpu_limit: CpuLimit | None = None  # its cgroup's CPU limit, read for the same processes; None: no limit (or unread)
 
     @property
     def cpu_s(self) -> float:

@@ -75,7 +75,7 @@ def test_saturated_server_is_progressing_without_waiting_out_the_window(vllm_pyt
 # --- an engine its CPU limit starves -------------------------------------------------
 
 
-class CpuLimit:
+class CgroupCpuLimit:
     """A CPU cgroup limited to QUOTA_US per PERIOD_US (what a container's CPU limit does, set far too
     low), cgroup v1's cpu controller or v2's cpu.max; processes moved in keep their threads together."""
 
@@ -87,7 +87,7 @@ class CpuLimit:
         self.root = v1 if self.v1 else v2
         self.dir = self.root / f"wedgectl-test-{os.getpid()}"
 
-    def __enter__(self) -> CpuLimit:
+    def __enter__(self) -> CgroupCpuLimit:
         try:
             if not self.v1:
                 if "cpu" not in (self.root / "cgroup.controllers").read_text().split():
@@ -130,7 +130,7 @@ def test_an_engine_its_cpu_limit_starves_is_not_called_a_deadlock(vllm_python, t
     try:
         engine = [p.pid for p in psutil.Process(pid).children(recursive=True) if role_of(p) in STEPPING_ROLES]
         assert len(engine) == 2, engine
-        with CpuLimit() as limit:
+        with CgroupCpuLimit() as limit:
             hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for p in (*engine, hog.pid):
                 limit.add(p)
@@ -153,3 +153,10 @@ def test_an_engine_its_cpu_limit_starves_is_not_called_a_deadlock(vllm_python, t
     rules = [classify(replace(b, samples=b.samples[:k])) for k in range(2, len(b.samples) + 1)]
     assert not [v.verdict for v in rules if v.verdict in HANGS], [(v.verdict, v.rule) for v in rules]
     assert "live_engine_waits_for_cpu" in [v.rule for v in rules]
+    # the limit itself, read from the engine's cgroup: it ran out of quota in the window's periods
+    p, throttled, periods = Facts(b).engine_throttling
+    assert p.cpu_limit.quota_us == CgroupCpuLimit.QUOTA_US and p.cpu_limit.period_us == CgroupCpuLimit.PERIOD_US
+    assert periods >= 3 and throttled >= periods - 1
+    if out["verdict"] == "inconclusive":
+        assert any("CPU limit (0.001 CPUs" in e["what"] for e in out["evidence"])
+        assert out["advice"][0].startswith("Raise the engine's CPU limit")

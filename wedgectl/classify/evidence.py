@@ -124,10 +124,17 @@ def cpu_wait_evidence(f: Facts) -> Evidence | None:
     host = f.bundle.manifest.host
     load = host.get("loadavg", "").split()
     on = f" (load {load[0]} on {host['cpus']} CPUs at the capture's start)" if load and host.get("cpus") else ""
+    values = {"pid": p.pid, "runq_s": round(waited, 2), "span_s": round(span, 2),
+              "loadavg": host.get("loadavg"), "cpus": host.get("cpus")}
+    limited = ""
+    t = f.engine_throttling
+    if t is not None and t[1] > 0 and t[0].cpu_limit is not None:
+        lim = t[0].cpu_limit
+        limited = (f"; its cgroup's CPU limit ({lim.cpus:.3g} CPUs: {lim.quota_us} µs of every {lim.period_us} µs) "
+                   f"throttled it in {t[1]} of {t[2]} periods")
+        values |= {"cpu_limit_cpus": round(lim.cpus, 4), "throttled_periods": t[1], "periods": t[2]}
     return Evidence("proc", f"{role} pid {p.pid}'s main thread was runnable but waited for a CPU {waited:.1f} s "
-                    f"of {span:.1f} s: it was given none{on}",
-                    values={"pid": p.pid, "runq_s": round(waited, 2), "span_s": round(span, 2),
-                            "loadavg": host.get("loadavg"), "cpus": host.get("cpus")})
+                    f"of {span:.1f} s: it was given none{on}{limited}", values=values)
 
 
 def engine_cpu_evidence(f: Facts) -> Evidence | None:

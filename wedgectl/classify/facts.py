@@ -316,6 +316,27 @@ class Facts:
         return best
 
     @cached_property
+    def engine_throttling(self) -> tuple[ProcessSample, int, int] | None:
+        """The EngineCore or Worker whose cgroup's CPU limit throttled it most over the window: (its
+        last sample, periods in which it ran out of quota, periods elapsed), from cpu.stat's counters
+        at its first and last reading (ProcessSample.cpu_limit). None where no limit was read twice."""
+        first: dict[int, tuple[int, int]] = {}
+        best: tuple[ProcessSample, int, int] | None = None
+        for s in self.samples:
+            for p in s.processes:
+                if p.cpu_limit is None:
+                    continue
+                first.setdefault(p.pid, (p.cpu_limit.periods, p.cpu_limit.throttled))
+        for p in self.last_processes:
+            if p.cpu_limit is None or p.pid not in first:
+                continue
+            periods = p.cpu_limit.periods - first[p.pid][0]
+            throttled = p.cpu_limit.throttled - first[p.pid][1]
+            if periods > 0 and (best is None or throttled / periods > best[1] / best[2]):
+                best = (p, throttled, periods)
+        return best
+
+    @cached_property
     def engine_waits_for_cpu(self) -> bool:
         """The host, not the engine, stopped the steps: an engine main thread was runnable but off a
         CPU for CPU_WAIT_SHARE of the window, while the engine got at most PARKED_CORES. A frozen

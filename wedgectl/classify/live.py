@@ -190,6 +190,8 @@ def live_engine_waits_for_cpu(f: Facts) -> bool:
 
 def _waits_for_cpu_verdict(f: Facts) -> Verdict:
     _, waited, span = f.engine_cpu_wait or (None, 0.0, 0.0)
+    t = f.engine_throttling
+    throttled = t is not None and t[2] > 0 and t[1] >= t[2] / 2
     ev = [metrics_evidence(f, f"{f.running:.0f} running, {f.waiting:.0f} waiting, all gauges frozen"), counter_evidence(f)]
     ev += present(cpu_wait_evidence(f), engine_cpu_evidence(f))
     return Verdict(
@@ -197,10 +199,12 @@ def _waits_for_cpu_verdict(f: Facts) -> Verdict:
         f"The engine is waiting for a CPU, not stopped: its counters are frozen because the host gave it "
         f"none for {fmt_duration(waited)}. A hang cannot be told from that.",
         "live_engine_waits_for_cpu", tuple(ev),
-        ("Find what holds the CPUs: the host's other work (`top -o %CPU`), or the container's CPU limit "
-         "throttling the engine (cgroup cpu.stat's throttled time). Then diagnose again: a blocked engine "
-         "parks and waits for no CPU, so this capture shows no hang yet.",
-         "Sample longer (--window 20): once the engine gets a CPU its counters move, or it parks."),
+        (("Raise the engine's CPU limit (the container's resources.limits.cpu): its cgroup ran out of quota "
+          "in most periods of the window." if throttled else
+          "Find what holds the CPUs: the host's other work (`top -o %CPU`), or a CPU limit on a parent "
+          "cgroup of the engine's."),
+         "Diagnose again once the engine gets CPU: a blocked engine parks and waits for no CPU, so this "
+         "capture shows no hang yet. A longer window (--window 20) may see its counters move, or it park."),
         {"runq_s": round(waited, 2), "span_s": round(span, 2), "engine_cores": f.engine_cores,
          "running": f.running, "waiting": f.waiting},
     )

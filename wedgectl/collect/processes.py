@@ -475,6 +475,7 @@ def sample_process(
         devices=devices,
         main_quiet_s=main_sched[0],
         main_runq_s=main_sched[1],
+        cpu_limit=procfs.read_cpu_limit(pid, proc_root) if role in STEPPING_ROLES else None,
     )
     return sample, tuple(failures)
 
