@@ -676,24 +676,6 @@ def main_thread_sched(pid: int, proc_root: Path = PROC,
 # scheduling groups (sampler.raise_priority)
 
 
-def cpu_cgroup(text: str) -> str | None:
-    """The cpu controller's cgroup path in a /proc/PID/cgroup text: the v1 line naming `cpu`
-    among its controllers, else the v2 line (`0::PATH`); None when neither is there."""
-    v2 = None
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        if parts[0] == "0" and parts[1] == "":
-            v2 = parts[2]
-        elif "cpu" in parts[1].split(","):
-            return parts[2]
-    return v2
-
-
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-
 def _cgroup_lines(text: str) -> tuple[str | None, str | None]:
     """(v1 cpu controller's path, v2 path) in a /proc/PID/cgroup text."""
     v1 = v2 = None
@@ -706,6 +688,16 @@ def _cgroup_lines(text: str) -> tuple[str | None, str | None]:
         elif "cpu" in parts[1].split(","):
             v1 = parts[2]
     return v1, v2
+
+
+def cpu_cgroup(text: str) -> str | None:
+    """The cpu controller's cgroup path in a /proc/PID/cgroup text: the v1 line naming `cpu`
+    among its controllers, else the v2 line (`0::PATH`); None when neither is there."""
+    v1, v2 = _cgroup_lines(text)
+    return v1 if v1 is not None else v2
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 def _stat_counts(text: str) -> tuple[int, int] | None:
