@@ -100,13 +100,15 @@ def counter_evidence(f: Facts) -> Evidence:
     )
 
 
+_ENGINE_NAMES = {Role.ENGINE_CORE: "EngineCore", Role.WORKER: "Worker"}  # the engine's processes, as evidence names them
+
+
 def stepless_evidence(f: Facts) -> Evidence | None:
     """The kernel's record that extends a frozen counter back before the first scrape (Facts.stepless_s)."""
     g, q = f.gen_tokens, f.stepless_s
     if g.delta != 0 or not q or f.tokens_frozen_s <= g.frozen_s:
         return None
-    names = {Role.ENGINE_CORE: "EngineCore", Role.WORKER: "Worker"}
-    who = ", ".join(f"{names.get(p.role, p.role.value)} pid {p.pid} ({fmt_duration(p.main_quiet_s or 0.0)})"
+    who = ", ".join(f"{_ENGINE_NAMES.get(p.role, p.role.value)} pid {p.pid} ({fmt_duration(p.main_quiet_s or 0.0)})"
                     for p in f.stepless_processes)
     return Evidence("proc", f"no engine step for {fmt_duration(q)}: the main thread of {who} has had no CPU "
                     "that long (the scheduler's record), so the counter was frozen before the first scrape too",
@@ -120,7 +122,7 @@ def cpu_wait_evidence(f: Facts) -> Evidence | None:
     if w is None or w[1] < CPU_WAIT_SHARE * w[2]:
         return None
     p, waited, span = w
-    role = {Role.ENGINE_CORE: "EngineCore", Role.WORKER: "Worker"}.get(p.role, p.role.value)
+    role = _ENGINE_NAMES.get(p.role, p.role.value)
     host = f.bundle.manifest.host
     load = host.get("loadavg", "").split()
     on = f" (load {load[0]} on {host['cpus']} CPUs at the capture's start)" if load and host.get("cpus") else ""
