@@ -228,6 +228,43 @@ def test_sched_clock_offsets_are_small_and_positive() -> None:
     assert offsets and all(-0.01 < v < 3600 for v in offsets.values())
 
 
+PROC_STAT = """cpu  7967132 30496 438794 4524932 3609 0 21694 204255 0 0
+cpu0 3692531 14037 200722 2570039 2362 0 12371 107225 0 0
+cpu1 4274600 16458 238072 1954893 1247 0 9323 97029 0 0
+intr 123 0 9
+"""  # recorded on this VM: steal is the eighth number of a cpuN line
+
+
+def test_cpu_steal_read_from_a_recorded_stat(tmp_path: Path) -> None:
+    (tmp_path / "stat").write_text(PROC_STAT)
+    assert procfs.cpu_steal_s(tmp_path) == {0: 107225 / procfs.CLK_TCK, 1: 97029 / procfs.CLK_TCK}
+    (tmp_path / "stat").write_text("cpu0 1 2 3\ncpu1 1 2 3 4 5 6 7 x\ncpu2 1 2 3 4 5 6 7 250\n")
+    assert procfs.cpu_steal_s(tmp_path) == {2: 250 / procfs.CLK_TCK}  # short and garbled lines are skipped
+    assert procfs.cpu_steal_s(tmp_path / "gone") == {}
+
+
+def test_a_kept_clock_offset_moves_on_by_the_steal_since(tmp_path: Path, monkeypatch) -> None:
+    """The task clock stops while the hypervisor steals the CPU: an offset measured a while ago is
+    carried forward by the steal /proc/stat counted since, not reused as it was, and measured
+    afresh after REFRESH_S."""
+    cpu = min(os.sched_getaffinity(0))
+    (tmp_path / "thread-self").mkdir()
+    (tmp_path / "thread-self" / "sched").write_text(SCHED.replace("2022667.010839", "990000.000000"))
+    stat = tmp_path / "stat"
+    stat.write_text(f"cpu{cpu} 1 2 3 4 5 6 7 1000 0 0\n")
+    now = [1000.0]
+    monkeypatch.setattr(procfs.time, "monotonic", lambda: now[0])
+    clock = procfs.SchedClock(tmp_path)
+    assert clock.offset(cpu) == pytest.approx(10.0)  # measured: now minus its own exec_start (990 s)
+    stat.write_text(f"cpu{cpu} 1 2 3 4 5 6 7 {1000 + 2.5 * procfs.CLK_TCK:.0f} 0 0\n")
+    now[0] = 1030.0
+    assert clock.offset(cpu) == pytest.approx(12.5)  # 2.5 s stolen since: not measured again
+    stat.write_text("garbage\n")
+    assert clock.offset(cpu) == pytest.approx(10.0)  # no steal to read: the offset as measured
+    now[0] = 1061.0
+    assert clock.offset(cpu) == pytest.approx(71.0)  # past REFRESH_S: measured afresh (the recorded exec_start)
+
+
 class _FixedClock(procfs.SchedClock):
     """A scheduler clock whose per-CPU offset is given: the offsets of the recorded host."""
 

@@ -595,27 +595,54 @@ def sched_clock_offsets(cpus: Iterable[int], proc_root: Path = PROC) -> dict[int
     return out
 
 
+def cpu_steal_s(proc_root: Path = PROC) -> dict[int, float]:
+    """Each CPU's steal time since boot, in seconds, from /proc/stat (clock ticks: 10 ms steps):
+    the time the hypervisor ran something else while this CPU had work. {} where unreadable."""
+    text = _read_or_none(proc_root / "stat")
+    out: dict[int, float] = {}
+    for line in (text or "").splitlines():
+        if not (line.startswith("cpu") and line[3:4].isdigit()):
+            continue
+        f = line.split()
+        try:
+            out[int(f[0][3:])] = int(f[8]) / CLK_TCK
+        except (ValueError, IndexError):
+            continue
+    return out
+
+
 class SchedClock:
-    """sched_clock_offsets, measured once per CPU and kept for REFRESH_S: a CPU's offset grows
-    only by the IRQ and steal time it accounts (about 0.1 ms a second here), so a capture, or
-    a minute of `top`, reads it once instead of pinning a thread every sample."""
+    """sched_clock_offsets, measured once per CPU and kept for REFRESH_S, then carried forward by
+    the CPU's steal time.
+
+    A CPU's task clock stops while the hypervisor steals the CPU (CONFIG_PARAVIRT_TIME_ACCOUNTING),
+    so its offset grows by exactly the steal /proc/stat counts for it: a few ms a second on a quiet
+    VM, a tenth of every second on a crowded host. A kept offset is therefore moved on by the
+    steal counted since it was measured (one read of /proc/stat, about 20 us, against a thread
+    pinned to each CPU). Without that, a minute-old offset would make a thread that ran a moment
+    ago read as off its CPU for as long as the host had stolen in that minute."""
 
     REFRESH_S = 60.0
 
     def __init__(self, proc_root: Path = PROC) -> None:
         self.proc_root = proc_root
-        self._offsets: dict[int, tuple[float, float]] = {}  # cpu -> (offset, measured at)
+        self._offsets: dict[int, tuple[float, float, float | None]] = {}  # cpu -> (offset, measured at, steal then)
         self._lock = threading.Lock()
 
     def offset(self, cpu: int) -> float | None:
         with self._lock:
+            steal = cpu_steal_s(self.proc_root).get(cpu)
             got = self._offsets.get(cpu)
             if got is None or time.monotonic() - got[1] > self.REFRESH_S:
                 measured = sched_clock_offsets([cpu], self.proc_root)
                 if cpu not in measured:
                     return None  # a CPU this process may not run on (a cpuset): no clock to read it by
-                got = self._offsets[cpu] = (measured[cpu], time.monotonic())
-            return got[0]
+                got = self._offsets[cpu] = (measured[cpu], time.monotonic(), cpu_steal_s(self.proc_root).get(cpu))
+                return got[0]
+            offset, _, steal_then = got
+            if steal is not None and steal_then is not None:
+                offset += max(0.0, steal - steal_then)
+            return offset
 
 
 CLOCK = SchedClock()
