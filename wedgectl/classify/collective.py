@@ -276,7 +276,7 @@ def _collective_verdict(f: Facts) -> Verdict:
                    f"{fmt_duration(waited)}; none lags on the host: the fabric, the library or a kernel.")
         confidence = COLLECTIVE_ALL_INSIDE
     advice = (
-        f"Capture native stacks (`wedgectl diagnose --pid PID --native`; py-spy pauses each rank while it unwinds, "
+        "Capture native stacks (`wedgectl diagnose --pid PID --native`; py-spy pauses each rank while it unwinds, "
         "~50 ms idle, seconds on a loaded host): a lagging rank in "
         "cudaStreamSynchronize / cuEventSynchronize means a kernel before the collective never finished (a device "
         "fault or a hung kernel: check the device next); in Python or host code it means the rank never arrived "
@@ -289,7 +289,7 @@ def _collective_verdict(f: Facts) -> Verdict:
         "the communicator is the fabric or a dead process; all ranks present and waiting is a rank that never called it.",
         "Read the device state of each rank's device (nvidia-smi -q -d UTILIZATION,ECC; dmesg Xid): 100 % "
         "utilisation with no progress on one device is a kernel spinning; an Xid or ECC error is a device fault.",
-        f"vLLM ends this by itself after VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (default 300 s) with "
+        "vLLM ends this by itself after VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (default 300 s) with "
         "'RPC call to execute_model timed out' and EngineDeadError; restart the server to recover now.",
     )
     facts: dict[str, object] = {

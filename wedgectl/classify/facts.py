@@ -122,6 +122,32 @@ def stepless_of(procs: Sequence[ProcessSample]) -> float | None:
     return min(per_engine) if per_engine else None
 
 
+def most_grown(samples: Sequence[Sample], read: Callable[[Sample, ProcessSample], tuple[float, float] | None],
+               min_span: float) -> tuple[ProcessSample, float, float] | None:
+    """The process whose counter grew most against a clock over the window: read gives (clock,
+    counter) for a process in a sample, or None; each process is compared between its first and
+    last reading. (its last sample, counter growth, clock span), largest growth per span first;
+    None where no process was read twice at least min_span apart."""
+    first: dict[int, tuple[float, float]] = {}
+    last: dict[int, tuple[tuple[float, float], ProcessSample]] = {}
+    for s in samples:
+        for p in s.processes:
+            got = read(s, p)
+            if got is not None:
+                first.setdefault(p.pid, got)
+                last[p.pid] = (got, p)
+    best: tuple[ProcessSample, float, float] | None = None
+    for pid, ((x1, y1), p) in last.items():
+        x0, y0 = first[pid]
+        span = x1 - x0
+        if span <= 0 or span < min_span:
+            continue
+        grown = max(0.0, y1 - y0)
+        if best is None or grown / span > best[1] / best[2]:
+            best = (p, grown, span)
+    return best
+
+
 @dataclass(frozen=True)
 class Facts:
     """Facts derived from a bundle; rules read only this.
@@ -296,45 +322,17 @@ class Facts:
         share of the time between its first and last reading: (its last sample, seconds runnable
         but off a CPU, seconds between the readings), from schedstat's run delay
         (ProcessSample.main_runq_s). None with fewer than two readings SHORT_SPAN_S apart."""
-        first: dict[int, tuple[float, float]] = {}
-        last: dict[int, tuple[float, float, ProcessSample]] = {}
-        for s in self.samples:
-            for p in s.processes:
-                if p.main_runq_s is None:
-                    continue
-                first.setdefault(p.pid, (s.t, p.main_runq_s))
-                last[p.pid] = (s.t, p.main_runq_s, p)
-        best: tuple[ProcessSample, float, float] | None = None
-        for pid, (t1, r1, p) in last.items():
-            t0, r0 = first[pid]
-            span = t1 - t0
-            if span < SHORT_SPAN_S:
-                continue
-            waited = max(0.0, r1 - r0)
-            if best is None or waited / span > best[1] / best[2]:
-                best = (p, waited, span)
-        return best
+        return most_grown(self.samples, lambda s, p: None if p.main_runq_s is None else (s.t, p.main_runq_s),
+                          SHORT_SPAN_S)
 
     @cached_property
     def engine_throttling(self) -> tuple[ProcessSample, int, int] | None:
         """The EngineCore or Worker whose cgroup's CPU limit throttled it most over the window: (its
         last sample, periods in which it ran out of quota, periods elapsed), from cpu.stat's counters
         at its first and last reading (ProcessSample.cpu_limit). None where no limit was read twice."""
-        first: dict[int, tuple[int, int]] = {}
-        best: tuple[ProcessSample, int, int] | None = None
-        for s in self.samples:
-            for p in s.processes:
-                if p.cpu_limit is None:
-                    continue
-                first.setdefault(p.pid, (p.cpu_limit.periods, p.cpu_limit.throttled))
-        for p in self.last_processes:
-            if p.cpu_limit is None or p.pid not in first:
-                continue
-            periods = p.cpu_limit.periods - first[p.pid][0]
-            throttled = p.cpu_limit.throttled - first[p.pid][1]
-            if periods > 0 and (best is None or throttled / periods > best[1] / best[2]):
-                best = (p, throttled, periods)
-        return best
+        got = most_grown(self.samples, lambda s, p: None if p.cpu_limit is None else
+                         (p.cpu_limit.periods, p.cpu_limit.throttled), 1)
+        return None if got is None else (got[0], int(got[1]), int(got[2]))
 
     @cached_property
     def engine_waits_for_cpu(self) -> bool:
