@@ -637,8 +637,8 @@ class SchedClock:
                 measured = sched_clock_offsets([cpu], self.proc_root)
                 if cpu not in measured:
                     return None  # a CPU this process may not run on (a cpuset): no clock to read it by
-                got = self._offsets[cpu] = (measured[cpu], time.monotonic(), cpu_steal_s(self.proc_root).get(cpu))
-                return got[0]
+                self._offsets[cpu] = (measured[cpu], time.monotonic(), steal)  # steal read just before: 10 ms ticks
+                return measured[cpu]
             offset, _, steal_then = got
             if steal is not None and steal_then is not None:
                 offset += max(0.0, steal - steal_then)
