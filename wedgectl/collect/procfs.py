@@ -669,7 +669,9 @@ def main_thread_sched(pid: int, proc_root: Path = PROC,
     se.exec_start is stamped on the clock of the CPU the thread ran on; stat names that CPU. The
     sched file is read on both sides of stat and must not change in between: then the thread did
     not run between the reads, and the CPU stat names is the one that stamped it. A migration
-    zeroes exec_start, which reads as unknown. Either figure is None where it cannot be read (no
+    zeroes exec_start, which reads as unknown. quiet_s is a lower bound on a VM: the CPU's task clock
+    stops while the hypervisor steals it, so the steal since the thread last ran is not counted
+    (the conservative side for a deadlock rule). Either figure is None where it cannot be read (no
     CONFIG_SCHED_DEBUG or schedstat, a CPU out of reach, the process gone)."""
     base = proc_root / str(pid)
     first = _read_or_none(base / "sched")
