@@ -225,8 +225,12 @@ def probes(
     pylocks: Annotated[bool, typer.Option("--pylocks", help="Also time blocking Python lock acquires (uprobe on libpython; every Python process on the host pays for it).")] = False,
     verify: Annotated[bool, typer.Option("--verify", help="Compile and attach a trial program per back-end (slower, surer).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
 ) -> None:
     """Say which probe back-ends this host supports and why not; with --pid, trace it and print per-thread results.
+
+    Ctrl-C ends the window early and the results still print (the /proc ones, if it came
+    while the program was attaching).
 
     Exit status: 0 an eBPF back-end can run (or, with --pid, the probe reported);
     3 only the /proc fallback is available; 5 --pid is gone; 6 the probe failed.
@@ -254,7 +258,11 @@ def probes(
     if not ebpf.pids_exist([pid]):
         typer.echo(f"wedgectl: no such process: {pid}", err=True)
         raise typer.Exit(programs.EXIT_GONE)
-    records, failures = ebpf.run_probes(ebpf.expand_tree([pid]), seconds, probes=names, backend=backend)
+    say = None if quiet or as_json and not sys.stderr.isatty() else _progress
+    if say is not None:
+        say(f"attaching the probes to pid {pid} and its descendants")
+    records, failures = ebpf.run_probes(ebpf.expand_tree([pid]), seconds, probes=names, backend=backend,
+                                        progress=say)
     if as_json:
         typer.echo(dumps({"probes": to_jsonable(records), "failures": to_jsonable(failures)}))
     else:

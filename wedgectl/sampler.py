@@ -343,6 +343,8 @@ class _Probes:
         if not self.started:
             self.started = True
             self.run = _start_probes(self.dep, self.options, max_s)
+            if self.run is not None and self.run.interrupted:
+                raise KeyboardInterrupt  # Ctrl-C came mid-attach: the child is gone; the capture ends as Ctrl-C ends it
 
     def stop(self) -> tuple[tuple, tuple]:
         return self.run.stop() if self.run is not None else ((), ())
@@ -355,7 +357,7 @@ def _start_probes(dep: Deployment, options: SamplerOptions, max_s: float | None 
     from wedgectl.collect import ebpf
 
     run = ebpf.start_probes(dep.pids, options.ebpf, max_s=(options.window_s if max_s is None else max_s) + 10.0)
-    if run is not None and options.progress:
+    if run is not None and options.progress and not run.interrupted:
         options.progress(f"probes: {run.backend.name} ({run.backend.reason})")
     return run
 

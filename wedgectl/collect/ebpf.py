@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -235,9 +235,19 @@ class ProbeRun:
         self._ready_at: float | None = None
         self._started_wall = 0.0
         self._stopped: tuple[tuple[ProbeRecord, ...], tuple[CollectorFailure, ...]] | None = None
+        self.interrupted = False  # Ctrl-C came while the program attached: /proc's window, caller decides
 
     # -- start
     def start(self) -> ProbeRun:
+        """Read /proc, then launch and attach the back-end (or fall back to /proc, saying why).
+
+        Ctrl-C while the program compiles and attaches does not escape: the
+        child is detached at once (killed on a second Ctrl-C), the window is
+        /proc's from the first reading on, and `interrupted` is set so the
+        caller can end the window there (run_probes) or pass the interrupt on
+        (a capture).
+        """
+        states_at = time.monotonic()
         self._start_states, fails = procfs.read_thread_scheds(self.pids, self.proc_root)
         self.failures += [f for f in fails if f.kind is not FailureKind.GONE or not self._start_states]
         if not self._start_states:
@@ -248,6 +258,10 @@ class ProbeRun:
         if self.backend.name in EBPF_BACKENDS and self._start_states:
             try:
                 self._launch()
+            except KeyboardInterrupt:
+                self._abort()
+                self._fall_back(f"{self.backend.name} interrupted while attaching (Ctrl-C)")
+                self._begin, self.interrupted = states_at, True
             except Exception as exc:  # noqa: BLE001 - any launch failure means: fall back, say why
                 self._teardown()
                 self._fall_back(f"{self.backend.name} could not start: {exc}")
@@ -311,6 +325,21 @@ class ProbeRun:
         with contextlib.suppress(OSError):
             self._tmp.unlink()
         self._tmp = None
+
+    def _abort(self) -> None:
+        """Detach after Ctrl-C mid-attach: as _teardown, but a second Ctrl-C kills the child at once.
+        Nothing of the program's output is kept (it never reported a window)."""
+        try:
+            self._teardown()
+        except KeyboardInterrupt:
+            if self._proc is not None:
+                with contextlib.suppress(OSError):
+                    signal_child(self._proc, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired, KeyboardInterrupt):
+                    self._proc.wait(timeout=5)
+            with contextlib.suppress(KeyboardInterrupt):
+                self._teardown(grace=0.0)
+        self._proc = None
 
     def _read_stdout(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
@@ -475,14 +504,24 @@ def _start_probes(pids: Sequence[int], mode: str, probes: Sequence[str], backend
     return run.start()
 
 
-def run_probes(pids: Sequence[int], seconds: float, mode: ProbeMode | str = "auto", **kw: Any
+def run_probes(pids: Sequence[int], seconds: float, mode: ProbeMode | str = "auto", *,
+               progress: Callable[[str], None] | None = None, **kw: Any
                ) -> tuple[tuple[ProbeRecord, ...], tuple[CollectorFailure, ...]]:
-    """Start the probes, wait `seconds`, stop: (ProbeResult + ThreadProbes, failures). Ctrl-C stops early, still reports."""
+    """Start the probes, wait `seconds`, stop: (ProbeResult + ThreadProbes, failures).
+
+    Ctrl-C ends the window early and the results still come back, also while the program is
+    still attaching (then they are /proc's, and a failure says so). progress hears when the
+    window begins.
+    """
     run = start_probes(pids, mode, max_s=seconds, **kw)  # the program's own timer ends the window
     if run is None:
         return (), ()
     try:
-        run.wait(seconds)
+        if not run.interrupted:  # Ctrl-C during the attach has ended the window already
+            if progress is not None:
+                progress(f"tracing {len(run.pids)} processes with {run.backend.name} for {seconds:g} s "
+                         f"(Ctrl-C ends the window early)")
+            run.wait(seconds)
     except KeyboardInterrupt:
         pass  # as bcc's tools do: Ctrl-C ends the window early and the results still print
     finally:
