@@ -18,7 +18,7 @@ import pytest
 
 from wedgectl.bundle import read_bundle
 from wedgectl.classify import classify
-from wedgectl.classify.facts import CPU_WAIT_SHARE, Facts
+from wedgectl.classify.facts import CPU_WAIT_SHARE, STEAL_SHARE, Facts
 from wedgectl.collect import procfs
 from wedgectl.sampler import CERTAIN, SamplerOptions, next_step, stacks_cannot_help
 from wedgectl.types import Bundle, CpuLimit, Role, VerdictKind
@@ -207,3 +207,75 @@ def test_a_throttled_engine_names_its_cpu_limit():
     assert (line.values["throttled_periods"], line.values["periods"]) == (5, 5)
     assert v.advice[0].startswith("Raise the engine's CPU limit")
     assert classify(b).advice[0].startswith("Find what holds the CPUs")  # no limit read: the host's other work
+
+
+# --- the hypervisor's steal ------------------------------------------------------------------
+
+# Two readings of a 2-vCPU VM's /proc/stat 20 s apart under three CPU hogs (the first three lines);
+# steal is the 8th number: cpu0 grew by 5 ticks, cpu1 by 6. A quiet VM loses that little.
+STAT_BEFORE = ("cpu  9837730 37365 548853 5283310 4355 0 26581 236876 0 0\n"
+               "cpu0 4508138 17621 247172 3076279 2869 0 15464 124742 0 0\n"
+               "cpu1 5329591 19743 301681 2207031 1486 0 11116 112134 0 0\n")
+STAT_AFTER = ("cpu  9841526 37365 549058 5283310 4355 0 26582 236888 0 0\n"
+              "cpu0 4510030 17621 247281 3076279 2869 0 15465 124747 0 0\n"
+              "cpu1 5331495 19743 301776 2207031 1486 0 11116 112140 0 0\n")
+
+
+def _steal_between(tmp_path: Path, before: str, after: str, span_s: float) -> dict[str, str]:
+    from wedgectl.sources import steal_facts
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "stat").write_text(before)
+    (tmp_path / "b" / "stat").write_text(after)
+    return steal_facts(procfs.cpu_steal_s(tmp_path / "a"), procfs.cpu_steal_s(tmp_path / "b"), span_s)
+
+
+def test_steal_over_a_capture_from_recorded_stat(tmp_path: Path) -> None:
+    facts = _steal_between(tmp_path, STAT_BEFORE, STAT_AFTER, 20.0)
+    assert facts == {"steal_s": f"{11 / procfs.CLK_TCK:.2f}", "steal_span_s": "20.00", "steal_cpus": "2"}
+    b = load()
+    stolen, span, share = Facts(replace(b, manifest=replace(b.manifest, host={**b.manifest.host, **facts}))).host_steal
+    assert (stolen, span) == (pytest.approx(11 / procfs.CLK_TCK, abs=0.005), 20.0)
+    assert share == pytest.approx(stolen / 40.0) and share < STEAL_SHARE  # under 1 %: not worth naming
+
+
+def test_steal_facts_need_two_readings_of_the_same_cpus(tmp_path: Path) -> None:
+    from wedgectl.sources import steal_facts
+
+    assert steal_facts({}, {0: 5.0}, 10.0) == {}
+    assert steal_facts({0: 5.0}, {1: 6.0}, 10.0) == {}  # no CPU read both times
+    assert steal_facts({0: 5.0}, {0: 6.0}, 0.0) == {}
+    assert steal_facts({0: 5.0, 1: 3.0}, {0: 4.0, 1: 4.5}, 10.0)["steal_s"] == "1.50"  # a counter that went back counts 0
+
+
+@pytest.mark.parametrize("host", [{}, {"steal_s": "x", "steal_span_s": "1", "steal_cpus": "2"},
+                                  {"steal_s": "nan", "steal_span_s": "1", "steal_cpus": "2"},
+                                  {"steal_s": "-1", "steal_span_s": "1", "steal_cpus": "2"},
+                                  {"steal_s": "1", "steal_span_s": "0", "steal_cpus": "2"},
+                                  {"steal_s": "1", "steal_span_s": "1", "steal_cpus": "0"},
+                                  {"steal_s": "1", "steal_span_s": "inf", "steal_cpus": "2"}])
+def test_steal_facts_from_a_hostile_bundle_are_left_out(host: dict[str, str]) -> None:
+    b = load()
+    assert Facts(replace(b, manifest=replace(b.manifest, host=host))).host_steal is None
+
+
+def _with_steal(b: Bundle, stolen: float, span: float = 10.0) -> Bundle:
+    host = {**b.manifest.host, "steal_s": f"{stolen:.2f}", "steal_span_s": f"{span:.2f}", "steal_cpus": "2"}
+    return replace(b, manifest=replace(b.manifest, host=host))
+
+
+def test_a_host_whose_hypervisor_steals_names_it_in_evidence_and_advice():
+    """The recorded capture with a third of the VM's CPU time stolen: the CPU-wait line says so and
+    the advice points at the VM's host; with 2 % stolen (a quiet VM) neither mentions it."""
+    b = prefix(load(), 6)
+    v = classify(_with_steal(b, 6.6))
+    assert v.rule == "live_engine_waits_for_cpu"
+    line = next(e for e in v.evidence if "waited for a CPU" in e.what)
+    assert "the hypervisor took 33% of this VM's CPU time over the capture (steal: 6.6 CPU s in 10.0 s)" in line.what
+    assert (line.values["steal_share"], line.values["steal_s"]) == (0.33, 6.6)
+    assert v.advice[0].startswith("The hypervisor took 33% of this VM's CPU time")
+    quiet = classify(_with_steal(b, 0.4))
+    line = next(e for e in quiet.evidence if "waited for a CPU" in e.what)
+    assert "hypervisor" not in line.what and "steal_share" not in line.values
+    assert quiet.advice[0].startswith("Find what holds the CPUs")

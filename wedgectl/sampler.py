@@ -27,7 +27,7 @@ from wedgectl.errors import BadMetrics, NoSuchProcess, Unreachable, WedgectlErro
 from wedgectl.judged import judged_sample
 from wedgectl.metrics import MetricsParseError, parse_metrics
 from wedgectl.redact import redact_url
-from wedgectl.sources import host_facts, read_log_lines
+from wedgectl.sources import host_facts, read_log_lines, steal_facts
 from wedgectl.types import (
     Bundle,
     CollectorFailure,
@@ -550,6 +550,8 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
         target=Target(pid=pid, url=redact_url(dep.base_url), log_path=log_path, pids=dep.pids),
         host=host_facts(),
     )
+    # The hypervisor's steal over the capture, for a local target (a host fact: steal_facts).
+    steal = (procfs.cpu_steal_s(), time.monotonic()) if dep.root_pid is not None else None
     # The in-window verdicts read one tail of the log, read once; the bundle gets the longer tail.
     decide_log = _read_log(log_path, DECIDE_LOG_BYTES)[0]
     samples: list[Sample] = []
@@ -654,7 +656,10 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
             say("window over before the stack burst: the engine's stacks now" if n > 1 else "stacks of every process")
             dumps, fails = _collect_stacks(samples[-1].processes, options.native, n, others=not dumped_all)
             samples[-1] = replace(samples[-1], stacks=samples[-1].stacks + dumps, failures=samples[-1].failures + tuple(fails))
-    return Bundle(replace(manifest, notes=tuple(notes)), tuple(samples), log_lines)
+    host = manifest.host
+    if steal is not None:
+        host = {**host, **steal_facts(steal[0], procfs.cpu_steal_s(), time.monotonic() - steal[1])}
+    return Bundle(replace(manifest, notes=tuple(notes), host=host), tuple(samples), log_lines)
 
 
 def fatal_problem(bundle: Bundle) -> WedgectlError | None:

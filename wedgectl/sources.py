@@ -114,6 +114,18 @@ def host_facts() -> dict[str, str]:
     return facts
 
 
+def steal_facts(before: dict[int, float], after: dict[int, float], span_s: float) -> dict[str, str]:
+    """The hypervisor's steal over a capture, as host facts: CPU seconds stolen from the CPUs read
+    both times (procfs.cpu_steal_s), the seconds between the reads and how many CPUs. {} where
+    nothing was read twice. On a crowded VM the guest's own figures understate what it lost: a
+    task's CPU time and clock stop while its vCPU is stolen, and its run delay does not grow."""
+    cpus = before.keys() & after.keys()
+    if not cpus or not span_s > 0:
+        return {}
+    stolen = sum(max(0.0, after[c] - before[c]) for c in cpus)
+    return {"steal_s": f"{stolen:.2f}", "steal_span_s": f"{span_s:.2f}", "steal_cpus": str(len(cpus))}
+
+
 def bundle_from_log(path: str | Path) -> Bundle:
     """A log-only bundle; NoVllmLines when nothing in it is a vLLM line."""
     lines, notes = read_log_lines(path)

@@ -103,6 +103,11 @@ def test_any_pid_of_the_tree_finds_the_whole_deployment(vllm_server, tmp_path):
     assert vllm_server.pid in b.manifest.target.pids and engine.pid in b.manifest.target.pids
     assert b.manifest.target.url == vllm_server.url
     assert out["verdict"] == "idle"
+    # the hypervisor's steal over the capture, read from this host's /proc/stat at its two ends
+    host = b.manifest.host
+    assert int(host["steal_cpus"]) == len([ln for ln in open("/proc/stat") if ln[:3] == "cpu" and ln[3:4].isdigit()])
+    span = b.samples[-1].t - b.samples[0].t
+    assert span <= float(host["steal_span_s"]) < span + 60 and 0 <= float(host["steal_s"]) <= float(host["steal_span_s"]) * int(host["steal_cpus"])
 
 
 def test_url_alone_is_metrics_only(vllm_server):

@@ -6,7 +6,7 @@ import datetime as _dt
 import re
 
 from wedgectl import stacks as stk
-from wedgectl.classify.facts import CPU_WAIT_SHARE, PARKED_CORES, SPINNING_CORES, Facts
+from wedgectl.classify.facts import CPU_WAIT_SHARE, PARKED_CORES, SPINNING_CORES, STEAL_SHARE, Facts
 from wedgectl.logparse import FailureLine, StatsLine, format_stamp
 from wedgectl.types import Evidence, ProcessSample, Role
 
@@ -135,8 +135,14 @@ def cpu_wait_evidence(f: Facts) -> Evidence | None:
         limited = (f"; its cgroup's CPU limit ({lim.cpus:.3g} CPUs: {lim.quota_us} µs of every {lim.period_us} µs) "
                    f"throttled it in {t[1]} of {t[2]} periods")
         values |= {"cpu_limit_cpus": round(lim.cpus, 4), "throttled_periods": t[1], "periods": t[2]}
+    stolen = ""
+    steal = f.host_steal
+    if steal is not None and steal[2] >= STEAL_SHARE:
+        stolen = (f"; the hypervisor took {steal[2]:.0%} of this VM's CPU time over the capture "
+                  f"(steal: {steal[0]:.1f} CPU s in {steal[1]:.1f} s)")
+        values |= {"steal_share": round(steal[2], 3), "steal_s": round(steal[0], 2)}
     return Evidence("proc", f"{role} pid {p.pid}'s main thread was runnable but waited for a CPU {waited:.1f} s "
-                    f"of {span:.1f} s: it was given none{on}{limited}", values=values)
+                    f"of {span:.1f} s: it was given none{on}{limited}{stolen}", values=values)
 
 
 def engine_cpu_evidence(f: Facts) -> Evidence | None:

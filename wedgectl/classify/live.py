@@ -24,7 +24,7 @@ from wedgectl.classify.evidence import (
 )
 from wedgectl.classify.corroboration import starved_for_capacity, wedge_refused_for_capacity
 from wedgectl.classify.deferred import DEFERRED, DEFERRED_ADVICE, reason_text, waiting_reason
-from wedgectl.classify.facts import CERTAIN_FROZEN_S, Facts, slope_per_s
+from wedgectl.classify.facts import CERTAIN_FROZEN_S, STEAL_SHARE, Facts, slope_per_s
 from wedgectl.classify.leak import LEAK_RULE
 from wedgectl.classify.orphan import ORPHAN_RULE
 from wedgectl.classify.rule import Rule
@@ -192,6 +192,8 @@ def _waits_for_cpu_verdict(f: Facts) -> Verdict:
     _, waited, span = f.engine_cpu_wait or (None, 0.0, 0.0)
     t = f.engine_throttling
     throttled = t is not None and t[2] > 0 and t[1] >= t[2] / 2
+    steal = f.host_steal
+    stolen = steal is not None and steal[2] >= STEAL_SHARE
     ev = [metrics_evidence(f, f"{f.running:.0f} running, {f.waiting:.0f} waiting, all gauges frozen"), counter_evidence(f)]
     ev += present(cpu_wait_evidence(f), engine_cpu_evidence(f))
     return Verdict(
@@ -201,6 +203,9 @@ def _waits_for_cpu_verdict(f: Facts) -> Verdict:
         "live_engine_waits_for_cpu", tuple(ev),
         (("Raise the engine's CPU limit (the container's resources.limits.cpu): its cgroup ran out of quota "
           "in most periods of the window." if throttled else
+          f"The hypervisor took {steal[2]:.0%} of this VM's CPU time (steal, `top`'s st): its host is "
+          "oversubscribed. Move the server to a dedicated or larger instance, and find what else holds "
+          "the CPUs here (`top -o %CPU`)." if stolen and steal is not None else
           "Find what holds the CPUs: the host's other work (`top -o %CPU`), or a CPU limit on a parent "
           "cgroup of the engine's."),
          "Diagnose again once the engine gets CPU: a blocked engine parks and waits for no CPU, so this "
