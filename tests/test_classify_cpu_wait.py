@@ -279,3 +279,54 @@ def test_a_host_whose_hypervisor_steals_names_it_in_evidence_and_advice():
     line = next(e for e in quiet.evidence if "waited for a CPU" in e.what)
     assert "hypervisor" not in line.what and "steal_share" not in line.values
     assert quiet.advice[0].startswith("Find what holds the CPUs")
+
+
+# --- an engine queued for a CPU behind gauges that say idle ---------------------------------
+
+QUEUED = Path(__file__).parent / "fixtures" / "bundles" / "engine-queued-behind-idle-gauges.tar.gz"
+# `wedgectl diagnose --pid` of a real idle vLLM 0.32 server under two CPU hogs (load ~3.4 on 2 CPUs)
+IDLE_LOADED = Path(__file__).parent / "fixtures" / "bundles" / "idle-loaded-host.tar.gz"
+
+
+def test_an_engine_queued_behind_idle_gauges_is_not_called_idle():
+    """Recorded in a hogged CI run of the live CPU-limit test: the healthy stream's EngineCore and
+    Worker held to 1 ms of CPU a second. The limit stopped the engine after it had published 0
+    running, 0 waiting, and before it published the request it was handed. The quick look's two
+    samples, 0.41 s apart: both main threads in state R, their run delay up 0.40 s and 0.39 s.
+    That read as a certain `idle` and the capture stopped; now it is not idle, and goes on."""
+    b = replace(read_bundle(QUEUED), verdict=None)
+    f = Facts(b)
+    assert len(b.samples) == 2 and not f.running and not f.waiting
+    assert f.engine_queued and all(p.state == "R" for p in f.last_processes if p.main_runq_s is not None)
+    assert f.engine_cpu_wait is None  # too short a span for the CPU-wait rule's own reading
+    v = classify(b)
+    assert v.verdict is not VerdictKind.IDLE and v.verdict not in HANGS and v.confidence < CERTAIN
+    step = next_step(v, 2, b.samples[-1].t - b.samples[0].t, SamplerOptions(window_s=8.0), False, False)
+    assert not step.stop
+
+
+def test_queued_behind_idle_gauges_for_a_second_names_the_wait():
+    """The same capture a second on, the engine still queued (a third sample: the second's readings,
+    1 s later, each main thread's run delay 0.95 s higher and one more 1 s period of its CPU limit
+    throttled): the CPU-wait verdict, not idle."""
+    b = replace(read_bundle(QUEUED), verdict=None)
+    last = b.samples[-1]
+    later = replace(last, t=last.t + 1.0, processes=tuple(
+        replace(p, main_runq_s=p.main_runq_s + 0.95,
+                cpu_limit=replace(p.cpu_limit, periods=p.cpu_limit.periods + 1, throttled=p.cpu_limit.throttled + 1))
+        if p.main_runq_s is not None and p.cpu_limit is not None else p for p in last.processes))
+    v = classify(replace(b, samples=(*b.samples, later)))
+    assert (v.verdict, v.rule) == (VerdictKind.INCONCLUSIVE, "live_engine_waits_for_cpu")
+    assert any("waited for a CPU" in e.what for e in v.evidence)
+    assert v.advice[0].startswith("Raise the engine's CPU limit")  # its cgroup ran out of quota in 3 of 3 periods
+
+
+def test_an_idle_engine_on_a_loaded_host_is_still_idle():
+    """An idle engine sleeps on its queues: under two CPU hogs its main threads' run delay stood
+    still over the quick look (0.00 s in 0.47 s), so it is not queued and the verdict is idle."""
+    b = replace(read_bundle(IDLE_LOADED), verdict=None)
+    f = Facts(b)
+    assert any(p.main_runq_s is not None for p in f.last_processes)
+    assert not f.engine_queued
+    v = classify(b)
+    assert v.verdict is VerdictKind.IDLE and v.confidence >= CERTAIN

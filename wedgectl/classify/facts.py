@@ -26,6 +26,7 @@ STATS_INTERVAL_S = 10.0  # VLLM_LOG_STATS_INTERVAL's default
 # the host: a blocked engine parks (its run delay stands still), a starved one queues for a CPU.
 # Measured on a 2-core host at load ~9: the EngineCore runnable, 0.00 cores, for 3 s of 3 s.
 CPU_WAIT_SHARE = 0.5
+QUEUED_MIN_SPAN_S = 0.2  # the shortest span over which a queued engine is told from an idle one
 # The hypervisor took at least this share of the host's CPU time over the capture (steal): worth
 # naming. A quiet 2-vCPU VM under three CPU hogs lost 0.3 %; a crowded one, about 9 % of a CPU
 # over a 7 s probe window.
@@ -350,6 +351,18 @@ class Facts:
         if not (math.isfinite(stolen) and math.isfinite(span)) or stolen < 0 or span <= 0 or cpus <= 0:
             return None
         return stolen, span, min(1.0, stolen / (span * cpus))
+
+    @cached_property
+    def engine_queued(self) -> bool:
+        """An EngineCore or Worker main thread runnable but off a CPU for CPU_WAIT_SHARE of the time
+        between its first and last reading, however short (QUEUED_MIN_SPAN_S: the quick look's
+        0.3 s will do). An idle engine's main threads sleep on their queues, so their run delay
+        stands still: one queued for a CPU has work it cannot get to, whatever its last published
+        gauges say (seen: 0 running, 0 waiting, published before a CPU limit stopped the engine,
+        while a request it had been handed waited; its run delay grew 0.40 s in 0.41 s)."""
+        w = most_grown(self.samples, lambda s, p: None if p.main_runq_s is None else (s.t, p.main_runq_s),
+                       QUEUED_MIN_SPAN_S)
+        return w is not None and w[1] >= CPU_WAIT_SHARE * w[2]
 
     @cached_property
     def engine_waits_for_cpu(self) -> bool:

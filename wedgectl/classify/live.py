@@ -184,8 +184,10 @@ def live_engine_waits_for_cpu(f: Facts) -> bool:
     run delay grew), the engine using next to no CPU. A blocked engine parks, and its run delay
     stands still; this one queues behind the host's other work (seen on a 2-core host at load ~9:
     the EngineCore runnable with 0.00 cores for 3 s while 8 streams were being served). Frozen
-    counters then say nothing about a hang, so no hang is named; the capture goes on."""
-    return f.engine_waits_for_cpu and live_engine_deadlock(f)
+    counters then say nothing about a hang, so no hang is named; the capture goes on. The same
+    holds when the engine's last published gauges say nothing is in flight: an engine stopped by
+    the host before it could publish the request it was handed reads as idle, counters frozen."""
+    return f.engine_waits_for_cpu and (live_engine_deadlock(f) or _nothing_in_flight(f))
 
 
 def _waits_for_cpu_verdict(f: Facts) -> Verdict:
@@ -343,9 +345,15 @@ def _progressing_verdict(f: Facts) -> Verdict:
     )
 
 
-def live_idle(f: Facts) -> bool:
-    """Nothing in flight and nothing waiting over two scrapes or more; the engine is not stuck, just unused."""
+def _nothing_in_flight(f: Facts) -> bool:
     return len(f.scrapes) >= 2 and not f.running and not f.waiting
+
+
+def live_idle(f: Facts) -> bool:
+    """Nothing in flight and nothing waiting over two scrapes or more; the engine is not stuck, just
+    unused. Not while an engine main thread is queued for a CPU (Facts.engine_queued): an idle
+    engine sleeps, and one the host holds back may not have published the work it was handed."""
+    return _nothing_in_flight(f) and not f.engine_queued
 
 
 def _idle_verdict(f: Facts) -> Verdict:
