@@ -330,3 +330,40 @@ def test_an_idle_engine_on_a_loaded_host_is_still_idle():
     assert not f.engine_queued
     v = classify(b)
     assert v.verdict is VerdictKind.IDLE and v.confidence >= CERTAIN
+
+
+THROTTLED = Path(__file__).parent / "fixtures" / "bundles" / "engine-throttled-overloaded-host.tar.gz"
+
+
+def test_a_throttled_runnable_engine_is_not_a_deadlock_though_its_run_delay_understates_it():
+    """Recorded on an overloaded host (two CI runs and two CPU hogs on 2 CPUs): the live CPU-limit
+    test's engine, held to 1 ms of CPU a second, 1 running, frozen counters, 0.00 cores. The samples
+    came 10.5 s and 2.4 s apart; between the first and last the EngineCore queued only 4.3 s of
+    12.9 s (under CPU_WAIT_SHARE), and that read as a certain engine deadlock. Its cgroup ran out
+    of quota in 5 of 5 periods with both main threads runnable (state R): its limit holds it."""
+    b = replace(read_bundle(THROTTLED), verdict=None)
+    f = Facts(b)
+    _, waited, span = f.engine_cpu_wait
+    assert waited < CPU_WAIT_SHARE * span  # the run delay alone would not tell it
+    p, throttled, periods = f.engine_throttling
+    assert (throttled, periods) == (5, 5) and p.state == "R"
+    assert f.engine_throttled and f.engine_waits_for_cpu
+    v = classify(b)
+    assert (v.verdict, v.rule) == (VerdictKind.INCONCLUSIVE, "live_engine_waits_for_cpu")
+    assert "CPU limit ran out in 5 of 5 periods while it was runnable" in v.summary
+    line = next(e for e in v.evidence if "waited for a CPU" in e.what)
+    assert "given none" not in line.what and "throttled it in 5 of 5 periods" in line.what
+    assert v.advice[0].startswith("Raise the engine's CPU limit")
+    assert not [k for k in range(2, len(b.samples) + 1) if classify(prefix(b, k)).verdict in HANGS]
+
+
+def test_throttling_of_a_sleeping_engine_is_no_excuse():
+    """The same capture with the engine's main threads asleep (state S) at every reading: a blocked
+    engine spends no quota of its own, so throttling then comes from something else in its cgroup,
+    and a frozen engine is still read as a hang."""
+    b = replace(read_bundle(THROTTLED), verdict=None)
+    asleep = replace(b, samples=tuple(replace(s, processes=tuple(
+        replace(p, state="S") if p.cpu_limit is not None else p for p in s.processes)) for s in b.samples))
+    f = Facts(asleep)
+    assert not f.engine_throttled and not f.engine_waits_for_cpu
+    assert classify(asleep).verdict in HANGS

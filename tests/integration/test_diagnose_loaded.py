@@ -149,7 +149,9 @@ def test_an_engine_its_cpu_limit_starves_is_not_called_a_deadlock(vllm_python, t
     assert out["verdict"] in ("inconclusive", "progressing") and d.returncode == VERDICT_CODES[VerdictKind(out["verdict"])]
     b = read_bundle(tmp_path / "limited.tar.gz")
     _, waited, span = Facts(b).engine_cpu_wait
-    assert waited >= CPU_WAIT_SHARE * span
+    # queued for a CPU most of the window; on an overloaded host the run delay can understate it,
+    # and the quota running out while the engine was runnable says it (Facts.engine_throttled)
+    assert waited >= CPU_WAIT_SHARE * span or Facts(b).engine_throttled, (waited, span)
     rules = [classify(replace(b, samples=b.samples[:k])) for k in range(2, len(b.samples) + 1)]
     assert not [v.verdict for v in rules if v.verdict in HANGS], [(v.verdict, v.rule) for v in rules]
     assert "live_engine_waits_for_cpu" in [v.rule for v in rules]

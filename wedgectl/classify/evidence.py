@@ -119,9 +119,10 @@ def cpu_wait_evidence(f: Facts) -> Evidence | None:
     """An engine main thread runnable but off a CPU for CPU_WAIT_SHARE of the window or more
     (Facts.engine_cpu_wait): the host, not the engine, sets the pace."""
     w = f.engine_cpu_wait
-    if w is None or w[1] < CPU_WAIT_SHARE * w[2]:
+    if w is None or (w[1] < CPU_WAIT_SHARE * w[2] and not f.engine_throttled):
         return None
     p, waited, span = w
+    given = ": it was given none" if waited >= CPU_WAIT_SHARE * span else ""
     role = _ENGINE_NAMES.get(p.role, p.role.value)
     host = f.bundle.manifest.host
     load = host.get("loadavg", "").split()
@@ -142,7 +143,7 @@ def cpu_wait_evidence(f: Facts) -> Evidence | None:
                   f"(steal: {steal[0]:.1f} CPU s in {steal[1]:.1f} s)")
         values |= {"steal_share": round(steal[2], 3), "steal_s": round(steal[0], 2)}
     return Evidence("proc", f"{role} pid {p.pid}'s main thread was runnable but waited for a CPU {waited:.1f} s "
-                    f"of {span:.1f} s: it was given none{on}{limited}{stolen}", values=values)
+                    f"of {span:.1f} s{given}{on}{limited}{stolen}", values=values)
 
 
 def engine_cpu_evidence(f: Facts) -> Evidence | None:

@@ -370,7 +370,18 @@ class Facts:
         CPU for CPU_WAIT_SHARE of the window, while the engine got at most PARKED_CORES. A frozen
         counter then says nothing about a hang: the engine was never given the CPU to step."""
         w = self.engine_cpu_wait
-        return w is not None and w[1] >= CPU_WAIT_SHARE * w[2] and self.engine_parked
+        queued = w is not None and w[1] >= CPU_WAIT_SHARE * w[2]
+        return (queued or self.engine_throttled) and self.engine_parked
+
+    @cached_property
+    def engine_throttled(self) -> bool:
+        """An EngineCore or Worker whose cgroup ran out of CPU quota in half the periods of the window
+        or more (Facts.engine_throttling), its main thread runnable (state R) at its last reading:
+        its CPU limit holds it back. A blocked engine sleeps (state S) and spends no quota. The run
+        delay alone can understate this: seen on an overloaded host, an engine held to 1 ms of CPU
+        a second, throttled in 5 of 5 periods, queued only 4.3 s of 12.9 s between readings."""
+        t = self.engine_throttling
+        return t is not None and t[2] > 0 and t[1] >= t[2] / 2 and t[0].state == "R"
 
     @cached_property
     def engine_parked(self) -> bool:

@@ -24,7 +24,7 @@ from wedgectl.classify.evidence import (
 )
 from wedgectl.classify.corroboration import starved_for_capacity, wedge_refused_for_capacity
 from wedgectl.classify.deferred import DEFERRED, DEFERRED_ADVICE, reason_text, waiting_reason
-from wedgectl.classify.facts import CERTAIN_FROZEN_S, STEAL_SHARE, Facts, slope_per_s
+from wedgectl.classify.facts import CERTAIN_FROZEN_S, CPU_WAIT_SHARE, STEAL_SHARE, Facts, slope_per_s
 from wedgectl.classify.leak import LEAK_RULE
 from wedgectl.classify.orphan import ORPHAN_RULE
 from wedgectl.classify.rule import Rule
@@ -200,8 +200,11 @@ def _waits_for_cpu_verdict(f: Facts) -> Verdict:
     ev += present(cpu_wait_evidence(f), engine_cpu_evidence(f))
     return Verdict(
         VerdictKind.INCONCLUSIVE, C.INCONCLUSIVE,
-        f"The engine is waiting for a CPU, not stopped: its counters are frozen because the host gave it "
-        f"none for {fmt_duration(waited)}. A hang cannot be told from that.",
+        (f"The engine is waiting for a CPU, not stopped: its counters are frozen because the host gave it "
+         f"none for {fmt_duration(waited)}. A hang cannot be told from that." if waited >= CPU_WAIT_SHARE * span else
+         f"The engine is waiting for a CPU, not stopped: its counters are frozen because its cgroup's CPU limit "
+         f"ran out in {t[1]} of {t[2]} periods while it was runnable. A hang cannot be told from that."
+         if t is not None else "The engine is waiting for a CPU, not stopped. A hang cannot be told from that."),
         "live_engine_waits_for_cpu", tuple(ev),
         (("Raise the engine's CPU limit (the container's resources.limits.cpu): its cgroup ran out of quota "
           "in most periods of the window." if throttled else
