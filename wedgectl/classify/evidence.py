@@ -6,7 +6,7 @@ import datetime as _dt
 import re
 
 from wedgectl import stacks as stk
-from wedgectl.classify.facts import CPU_WAIT_SHARE, PARKED_CORES, SPINNING_CORES, STEAL_SHARE, Facts
+from wedgectl.classify.facts import PARKED_CORES, SPINNING_CORES, STEAL_SHARE, Facts, mostly_queued
 from wedgectl.logparse import FailureLine, StatsLine, format_stamp
 from wedgectl.types import Evidence, ProcessSample, Role
 
@@ -119,10 +119,10 @@ def cpu_wait_evidence(f: Facts) -> Evidence | None:
     """An engine main thread runnable but off a CPU for CPU_WAIT_SHARE of the window or more
     (Facts.engine_cpu_wait): the host, not the engine, sets the pace."""
     w = f.engine_cpu_wait
-    if w is None or (w[1] < CPU_WAIT_SHARE * w[2] and not f.engine_throttled):
+    if w is None or not (mostly_queued(w) or f.engine_throttled):
         return None
     p, waited, span = w
-    given = ": it was given none" if waited >= CPU_WAIT_SHARE * span else ""
+    given = ": it was given none" if mostly_queued(w) else ""
     role = _ENGINE_NAMES.get(p.role, p.role.value)
     host = f.bundle.manifest.host
     load = host.get("loadavg", "").split()

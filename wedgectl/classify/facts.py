@@ -127,6 +127,21 @@ def stepless_of(procs: Sequence[ProcessSample]) -> float | None:
     return min(per_engine) if per_engine else None
 
 
+def main_runq(s: Sample, p: ProcessSample) -> tuple[float, float] | None:
+    """most_grown's reader of a main thread's run delay (ProcessSample.main_runq_s) against the sample's clock."""
+    return None if p.main_runq_s is None else (s.t, p.main_runq_s)
+
+
+def mostly_queued(w: tuple[ProcessSample, float, float] | None) -> bool:
+    """A most_grown run-delay reading (process, seconds queued, span) queued CPU_WAIT_SHARE of its span or more."""
+    return w is not None and w[1] >= CPU_WAIT_SHARE * w[2]
+
+
+def mostly_throttled(t: tuple[ProcessSample, int, int] | None) -> bool:
+    """A Facts.engine_throttling reading (process, throttled periods, periods) out of quota in half the periods or more."""
+    return t is not None and t[2] > 0 and t[1] >= t[2] / 2
+
+
 def most_grown(samples: Sequence[Sample], read: Callable[[Sample, ProcessSample], tuple[float, float] | None],
                min_span: float) -> tuple[ProcessSample, float, float] | None:
     """The process whose counter grew most against a clock over the window: read gives (clock,
@@ -327,8 +342,7 @@ class Facts:
         share of the time between its first and last reading: (its last sample, seconds runnable
         but off a CPU, seconds between the readings), from schedstat's run delay
         (ProcessSample.main_runq_s). None with fewer than two readings SHORT_SPAN_S apart."""
-        return most_grown(self.samples, lambda s, p: None if p.main_runq_s is None else (s.t, p.main_runq_s),
-                          SHORT_SPAN_S)
+        return most_grown(self.samples, main_runq, SHORT_SPAN_S)
 
     @cached_property
     def engine_throttling(self) -> tuple[ProcessSample, int, int] | None:
@@ -360,18 +374,14 @@ class Facts:
         stands still: one queued for a CPU has work it cannot get to, whatever its last published
         gauges say (seen: 0 running, 0 waiting, published before a CPU limit stopped the engine,
         while a request it had been handed waited; its run delay grew 0.40 s in 0.41 s)."""
-        w = most_grown(self.samples, lambda s, p: None if p.main_runq_s is None else (s.t, p.main_runq_s),
-                       QUEUED_MIN_SPAN_S)
-        return w is not None and w[1] >= CPU_WAIT_SHARE * w[2]
+        return mostly_queued(most_grown(self.samples, main_runq, QUEUED_MIN_SPAN_S))
 
     @cached_property
     def engine_waits_for_cpu(self) -> bool:
         """The host, not the engine, stopped the steps: an engine main thread was runnable but off a
         CPU for CPU_WAIT_SHARE of the window, while the engine got at most PARKED_CORES. A frozen
         counter then says nothing about a hang: the engine was never given the CPU to step."""
-        w = self.engine_cpu_wait
-        queued = w is not None and w[1] >= CPU_WAIT_SHARE * w[2]
-        return (queued or self.engine_throttled) and self.engine_parked
+        return (mostly_queued(self.engine_cpu_wait) or self.engine_throttled) and self.engine_parked
 
     @cached_property
     def engine_throttled(self) -> bool:
@@ -381,7 +391,7 @@ class Facts:
         delay alone can understate this: seen on an overloaded host, an engine held to 1 ms of CPU
         a second, throttled in 5 of 5 periods, queued only 4.3 s of 12.9 s between readings."""
         t = self.engine_throttling
-        return t is not None and t[2] > 0 and t[1] >= t[2] / 2 and t[0].state == "R"
+        return mostly_throttled(t) and t is not None and t[0].state == "R"
 
     @cached_property
     def engine_parked(self) -> bool:

@@ -24,7 +24,7 @@ from wedgectl.classify.evidence import (
 )
 from wedgectl.classify.corroboration import starved_for_capacity, wedge_refused_for_capacity
 from wedgectl.classify.deferred import DEFERRED, DEFERRED_ADVICE, reason_text, waiting_reason
-from wedgectl.classify.facts import CERTAIN_FROZEN_S, CPU_WAIT_SHARE, STEAL_SHARE, Facts, slope_per_s
+from wedgectl.classify.facts import CERTAIN_FROZEN_S, STEAL_SHARE, Facts, mostly_queued, mostly_throttled, slope_per_s
 from wedgectl.classify.leak import LEAK_RULE
 from wedgectl.classify.orphan import ORPHAN_RULE
 from wedgectl.classify.rule import Rule
@@ -191,9 +191,10 @@ def live_engine_waits_for_cpu(f: Facts) -> bool:
 
 
 def _waits_for_cpu_verdict(f: Facts) -> Verdict:
-    _, waited, span = f.engine_cpu_wait or (None, 0.0, 0.0)
+    w = f.engine_cpu_wait
+    _, waited, span = w or (None, 0.0, 0.0)
     t = f.engine_throttling
-    throttled = t is not None and t[2] > 0 and t[1] >= t[2] / 2
+    throttled = mostly_throttled(t)
     steal = f.host_steal
     stolen = steal is not None and steal[2] >= STEAL_SHARE
     ev = [metrics_evidence(f, f"{f.running:.0f} running, {f.waiting:.0f} waiting, all gauges frozen"), counter_evidence(f)]
@@ -201,10 +202,9 @@ def _waits_for_cpu_verdict(f: Facts) -> Verdict:
     return Verdict(
         VerdictKind.INCONCLUSIVE, C.INCONCLUSIVE,
         (f"The engine is waiting for a CPU, not stopped: its counters are frozen because the host gave it "
-         f"none for {fmt_duration(waited)}. A hang cannot be told from that." if waited >= CPU_WAIT_SHARE * span else
+         f"none for {fmt_duration(waited)}. A hang cannot be told from that." if w is None or mostly_queued(w) or t is None else
          f"The engine is waiting for a CPU, not stopped: its counters are frozen because its cgroup's CPU limit "
-         f"ran out in {t[1]} of {t[2]} periods while it was runnable. A hang cannot be told from that."
-         if t is not None else "The engine is waiting for a CPU, not stopped. A hang cannot be told from that."),
+         f"ran out in {t[1]} of {t[2]} periods while it was runnable. A hang cannot be told from that."),
         "live_engine_waits_for_cpu", tuple(ev),
         (("Raise the engine's CPU limit (the container's resources.limits.cpu): its cgroup ran out of quota "
           "in most periods of the window." if throttled else
