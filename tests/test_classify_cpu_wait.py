@@ -18,7 +18,7 @@ import pytest
 
 from wedgectl.bundle import read_bundle
 from wedgectl.classify import classify
-from wedgectl.classify.facts import CPU_WAIT_SHARE, STEAL_SHARE, Facts
+from wedgectl.classify.facts import CPU_WAIT_SHARE, STEAL_SHARE, Facts, mostly_throttled
 from wedgectl.collect import procfs
 from wedgectl.sampler import CERTAIN, SamplerOptions, next_step, stacks_cannot_help
 from wedgectl.types import Bundle, CpuLimit, Role, VerdictKind
@@ -357,13 +357,41 @@ def test_a_throttled_runnable_engine_is_not_a_deadlock_though_its_run_delay_unde
     assert not [k for k in range(2, len(b.samples) + 1) if classify(prefix(b, k)).verdict in HANGS]
 
 
+def _asleep(b, runnable: str | None = None):
+    """b with every thread of its CPU-limited processes asleep (state S), but the Worker's threads
+    named `runnable`, which are runnable (state R, in no system call)."""
+    def thread(p, t):
+        if p.role is Role.WORKER and t.comm == runnable:
+            return replace(t, state="R", syscall_nr=None, syscall_args=())
+        return replace(t, state="S")
+    return replace(b, samples=tuple(replace(s, processes=tuple(
+        replace(p, state="S", threads=tuple(thread(p, t) for t in p.threads)) if p.cpu_limit is not None else p
+        for p in s.processes)) for s in b.samples))
+
+
 def test_throttling_of_a_sleeping_engine_is_no_excuse():
-    """The same capture with the engine's main threads asleep (state S) at every reading: a blocked
+    """The same capture with every thread of the engine asleep (state S) at every reading: a blocked
     engine spends no quota of its own, so throttling then comes from something else in its cgroup,
     and a frozen engine is still read as a hang."""
-    b = replace(read_bundle(THROTTLED), verdict=None)
-    asleep = replace(b, samples=tuple(replace(s, processes=tuple(
-        replace(p, state="S") if p.cpu_limit is not None else p for p in s.processes)) for s in b.samples))
+    asleep = _asleep(replace(read_bundle(THROTTLED), verdict=None))
     f = Facts(asleep)
-    assert not f.engine_throttled and not f.engine_waits_for_cpu
+    assert mostly_throttled(f.engine_throttling)
+    assert not f.engine_runnable and not f.engine_throttled and not f.engine_waits_for_cpu
     assert classify(asleep).verdict in HANGS
+
+
+def test_a_throttled_engine_whose_main_threads_wait_on_a_runnable_sibling_is_not_a_deadlock():
+    """Seen in the live CPU-limit test: the limit caught the engine with both main threads asleep on
+    their queues while the Worker's ZMQ I/O thread, which feeds them, sat runnable under the spent
+    quota. The same capture with only ZMQbg/IO/0 threads left runnable reads as waiting for a CPU on
+    every prefix, never as a hang; with none left, it is a hang (above)."""
+    b = _asleep(replace(read_bundle(THROTTLED), verdict=None), runnable="ZMQbg/IO/0")
+    last = [p for p in Facts(b).last_processes if p.cpu_limit is not None]
+    assert {p.state for p in last} == {"S"}
+    assert {t.comm for p in last for t in p.threads if t.state == "R"} == {"ZMQbg/IO/0"}
+    f = Facts(b)
+    assert f.engine_runnable and f.engine_throttled and f.engine_waits_for_cpu
+    v = classify(b)
+    assert (v.verdict, v.rule) == (VerdictKind.INCONCLUSIVE, "live_engine_waits_for_cpu")
+    assert v.advice[0].startswith("Raise the engine's CPU limit")
+    assert not [k for k in range(2, len(b.samples) + 1) if classify(prefix(b, k)).verdict in HANGS]

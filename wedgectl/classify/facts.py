@@ -386,12 +386,24 @@ class Facts:
     @cached_property
     def engine_throttled(self) -> bool:
         """An EngineCore or Worker whose cgroup ran out of CPU quota in half the periods of the window
-        or more (Facts.engine_throttling), its main thread runnable (state R) at its last reading:
-        its CPU limit holds it back. A blocked engine sleeps (state S) and spends no quota. The run
-        delay alone can understate this: seen on an overloaded host, an engine held to 1 ms of CPU
-        a second, throttled in 5 of 5 periods, queued only 4.3 s of 12.9 s between readings."""
-        t = self.engine_throttling
-        return mostly_throttled(t) and t is not None and t[0].state == "R"
+        or more (Facts.engine_throttling), with a thread of the engine runnable (state R) at its last
+        reading (Facts.engine_runnable): its CPU limit holds it back. A blocked engine sleeps (state
+        S) and spends no quota. The run delay alone can understate this: seen on an overloaded host,
+        an engine held to 1 ms of CPU a second, throttled in 5 of 5 periods, queued only 4.3 s of
+        12.9 s between readings."""
+        return mostly_throttled(self.engine_throttling) and self.engine_runnable
+
+    @cached_property
+    def engine_runnable(self) -> bool:
+        """A thread of an EngineCore or Worker under a CPU limit was runnable (state R) at the last
+        reading. Not only the main threads: a main thread asleep on a queue that a sibling thread
+        feeds waits for that sibling, and under a spent quota the sibling queues. Seen: an engine
+        held to 1 ms of CPU a second, both main threads asleep for 4 s while the Worker's ZMQ I/O
+        thread sat runnable; read as an engine deadlock (0.85) on that alone. A blocked engine's
+        threads sleep on their queues and sockets (S), as every recorded deadlock shows."""
+        return any(p.state == "R" or any(t.state == "R" for t in p.threads)
+                   for p in self.last_processes
+                   if p.cpu_limit is not None and p.role in (Role.ENGINE_CORE, Role.WORKER))
 
     @cached_property
     def engine_parked(self) -> bool:
