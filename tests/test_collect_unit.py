@@ -87,6 +87,51 @@ def test_parse_stat_comm_with_spaces_and_parentheses() -> None:
     assert (st.pid, st.state, st.ppid, st.utime_ticks, st.stime_ticks, st.num_threads) == (4142, "R", 4100, 1234, 5, 60)
 
 
+def test_a_pid_sampled_without_psutil_reads_as_psutil_does() -> None:
+    """sample_process given a pid reads RSS from statm and the start time from the stat line it
+    already read: the figures psutil gives for the same process (a live child, read twice)."""
+    import psutil
+
+    from wedgectl.collect.processes import sample_process, sample_roles
+
+    import time
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        ps = psutil.Process(child.pid)
+        deadline = time.monotonic() + 10
+        while ps.status() != psutil.STATUS_SLEEPING and time.monotonic() < deadline:
+            time.sleep(0.01)  # asleep: its memory no longer moves (the loader is done)
+        sample, failures = sample_process(child.pid, Role.OTHER)
+        assert failures == ()
+        assert sample.started == ps.create_time()
+        assert sample.rss_bytes == ps.memory_info().rss == procfs.read_rss(child.pid)
+        assert sample.ppid == ps.ppid() and sample.state == "S"
+        child.kill()
+        child.wait()
+        # gone before its stat was read: left out of the sample, without a failure
+        got, failures = sample_roles({child.pid: Role.OTHER})
+        assert got == () and failures == []
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_boot_time_and_rss_from_a_recorded_tree(tmp_path: Path) -> None:
+    (tmp_path / "stat").write_text("cpu  1 2 3 4 5 6 7 8 0 0\nintr 12\nbtime 1796327203\nprocesses 9\n")
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "statm").write_text("1000 250 100 10 0 300 0\n")
+    assert procfs.boot_time(tmp_path) == 1796327203.0
+    assert procfs.read_rss(7, tmp_path) == 250 * procfs.PAGE_SIZE
+    (tmp_path / "7" / "statm").write_text("garbled")
+    assert procfs.read_rss(7, tmp_path) is None and procfs.read_rss(8, tmp_path) is None
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "stat").write_text("cpu  1 2 3\n")  # no btime line
+    assert procfs.boot_time(other) is None
+
+
 def test_parse_wchan_and_status() -> None:
     assert procfs.parse_wchan("0") == ""
     assert procfs.parse_wchan("futex_do_wait") == "futex_do_wait"

@@ -132,11 +132,15 @@ def is_mp_helper(cmdline: Sequence[str]) -> bool:
 
 
 def name_cmdline(
-    pid: int, proc_root: Path = procfs.PROC, timeout: float = procread.READ_TIMEOUT_S
+    pid: int, proc_root: Path = procfs.PROC, timeout: float = procread.READ_TIMEOUT_S,
+    stat: procfs.ProcessStat | None = None,
 ) -> tuple[str, list[str]]:
     """(name, argv) of a process, as psutil's name() and cmdline() give them, with the cmdline
-    read bounded (procread.read_cmdline). Raises OSError (TimeoutError included) when unreadable."""
-    stat, failures = procfs.read_process_stat(pid, proc_root)
+    read bounded (procread.read_cmdline). `stat`: its stat line, where the caller has just read
+    it. Raises OSError (TimeoutError included) when unreadable."""
+    failures: tuple[CollectorFailure, ...] = ()
+    if stat is None:
+        stat, failures = procfs.read_process_stat(pid, proc_root)
     if stat is None:
         gone = not failures or failures[0].kind is FailureKind.GONE
         raise (ProcessLookupError if gone else OSError)(failures[0].message if failures else f"pid {pid}: gone")
@@ -386,7 +390,7 @@ def _psutil_failure(exc: BaseException, pid: int, what: str) -> CollectorFailure
 
 
 def sample_process(
-    proc: psutil.Process,
+    proc: psutil.Process | int,
     role: Role,
     with_threads: bool = True,
     proc_root: Path = procfs.PROC,
@@ -395,12 +399,14 @@ def sample_process(
     threads_memo: procfs.ThreadMemo | None = None,
     fds_memo: FdsMemo | None = None,
 ) -> tuple[ProcessSample, tuple[CollectorFailure, ...]]:
-    """One ProcessSample: state, CPU, threads (procfs) and name, cmdline, RSS, sockets (psutil).
+    """One ProcessSample: state, CPU, RSS, start time, threads (procfs), name and cmdline, sockets.
 
-    Never raises: whatever could not be read is left at its default and
-    reported. Each blocking read is bounded by ``timeout``.
+    `proc`: a psutil.Process or a pid. RSS (statm) and the start time (the stat line already read)
+    are psutil's figures, read without psutil's objects: `top` samples every process every second;
+    psutil is asked only where those reads fail. Never raises: whatever could not be read is left
+    at its default and reported. Each blocking read is bounded by ``timeout``.
     """
-    pid = proc.pid
+    pid = proc if isinstance(proc, int) else proc.pid
     failures: list[CollectorFailure] = []
     stat, stat_failures = procfs.read_process_stat(pid, proc_root)
     failures.extend(stat_failures)
@@ -409,7 +415,7 @@ def sample_process(
 
     name, cmdline = (stat.comm if stat else ""), ()
     try:
-        name, argv = name_cmdline(pid, proc_root, timeout)
+        name, argv = name_cmdline(pid, proc_root, timeout, stat)
         cmdline = tuple(redact_argv(argv))  # redacted at capture: bundles never hold secrets
     except TimeoutError:
         failures.append(
@@ -423,11 +429,15 @@ def sample_process(
     except OSError as exc:
         failures.append(_psutil_failure(exc, pid, "name/cmdline"))
 
-    rss = None
-    try:
-        rss = proc.memory_info().rss
-    except (psutil.Error, OSError) as exc:
-        failures.append(_psutil_failure(exc, pid, "memory_info"))
+    rss = procfs.read_rss(pid, proc_root)
+    started = stat.started(proc_root) if stat is not None else None
+    if rss is None or started is None:
+        try:
+            ps = psutil.Process(pid) if isinstance(proc, int) else proc
+            rss = rss if rss is not None else ps.memory_info().rss
+            started = started if started is not None else _create_time(ps)
+        except (psutil.Error, OSError) as exc:
+            failures.append(_psutil_failure(exc, pid, "memory_info"))
 
     listening: tuple[str, ...] = ()
     connections: int | None = None
@@ -471,7 +481,7 @@ def sample_process(
         listening=listening,
         connections=connections,
         threads=threads,
-        started=_create_time(proc),
+        started=started,
         devices=devices,
         main_quiet_s=main_sched[0],
         main_runq_s=main_sched[1],
@@ -504,13 +514,15 @@ def sample_roles(roles: dict[int, Role], threads_memo: procfs.ThreadMemo | None 
     # wedgectl's own addresses read the table: only when some process's sockets will be read
     reading = any(fds_memo is None or pid not in fds_memo for pid in roles)
     ours = own_tcp_addresses(tables) if reading else frozenset()
-    for proc in (psutil.Process(p) for p in roles if psutil.pid_exists(p)):
+    for pid, role in roles.items():
         try:
-            sample, fails = sample_process(proc, roles[proc.pid], tables=(tables, ours), threads_memo=threads_memo,
+            sample, fails = sample_process(pid, role, tables=(tables, ours), threads_memo=threads_memo,
                                            fds_memo=fds_memo)
         except psutil.Error:
-            failures.append(CollectorFailure(COLLECTOR, FailureKind.GONE, "exited mid-capture", str(proc.pid)))
+            failures.append(CollectorFailure(COLLECTOR, FailureKind.GONE, "exited mid-capture", str(pid)))
             continue
+        if not sample.state and fails and fails[0].kind is FailureKind.GONE:
+            continue  # gone before its stat was read: not part of this sample, as before it was found
         failures.extend(fails)
         if sample.state and sample.state not in ("Z", "X"):  # a zombie has exited; only its parent's wait is missing
             out.append(sample)

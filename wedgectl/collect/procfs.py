@@ -25,6 +25,10 @@ try:
     CLK_TCK = os.sysconf("SC_CLK_TCK")
 except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
     CLK_TCK = 100
+try:
+    PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+    PAGE_SIZE = 4096
 
 # (futex, restart_syscall) numbers per architecture, from the kernel's syscall tables.
 _SYSCALL_NUMBERS: dict[str, tuple[int, int]] = {
@@ -280,6 +284,12 @@ class ProcessStat:
     def cpu_s(self) -> float:
         return self.utime_s + self.stime_s
 
+    def started(self, proc_root: Path = PROC) -> float | None:
+        """When it started, in unix seconds, as psutil's create_time() computes it (boot time plus
+        the start time's ticks); None where the boot time is unreadable."""
+        boot = boot_time(proc_root)
+        return None if boot is None else boot + self.starttime_ticks / CLK_TCK
+
 
 def read_process_stat(
     pid: int, proc_root: Path = PROC
@@ -305,6 +315,38 @@ def read_process_stat(
         ),
         (),
     )
+
+
+def read_rss(pid: int, proc_root: Path = PROC) -> int | None:
+    """Resident bytes, from /proc/PID/statm's second field as psutil's memory_info().rss reads it
+    (stat's rss field is counted another way and differs by a few pages); None where unreadable."""
+    try:
+        fields = _read_text(proc_root / str(pid) / "statm").split()
+        return int(fields[1]) * PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_BOOT: dict[str, float] = {}
+
+
+def boot_time(proc_root: Path = PROC) -> float | None:
+    """The host's boot time in unix seconds (/proc/stat's btime), read once per proc root: it does
+    not change while the host is up. None where unreadable."""
+    key = str(proc_root)
+    if key not in _BOOT:
+        try:
+            text = _read_text(proc_root / "stat")
+        except OSError:
+            return None
+        at = text.find("\nbtime ")
+        if at < 0:
+            return None
+        try:
+            _BOOT[key] = float(text[at + 7:text.index("\n", at + 1)])
+        except ValueError:
+            return None
+    return _BOOT[key]
 
 
 class ThreadMemo:
