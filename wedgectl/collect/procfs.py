@@ -25,6 +25,8 @@ try:
     CLK_TCK = os.sysconf("SC_CLK_TCK")
 except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
     CLK_TCK = 100
+PF_EXITING = 0x4  # include/linux/sched.h: set as do_exit() begins
+
 try:
     PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
@@ -103,6 +105,7 @@ class StatFields:
     num_threads: int
     starttime_ticks: int
     processor: int | None = None  # field 39: the CPU it last ran on
+    flags: int = 0  # field 9: the kernel's PF_* flags
 
 
 def parse_stat(text: str) -> StatFields:
@@ -123,6 +126,7 @@ def parse_stat(text: str) -> StatFields:
         num_threads=int(rest[17]),
         starttime_ticks=int(rest[19]),
         processor=int(rest[36]) if len(rest) > 36 else None,
+        flags=int(rest[6]),
     )
 
 
@@ -279,10 +283,18 @@ class ProcessStat:
     num_threads: int
     starttime_ticks: int
     processor: int | None = None  # the CPU it last ran on
+    flags: int = 0  # the kernel's PF_* flags
 
     @property
     def cpu_s(self) -> float:
         return self.utime_s + self.stime_s
+
+    @property
+    def exited(self) -> bool:
+        """It has exited, or is in its exit: a zombie (Z) or dead (X), or with PF_EXITING set (killed,
+        its threads and memory being torn down; it reads as R or D meanwhile, for as long as a
+        loaded host takes to run that, seconds). Nothing of the server runs there any more."""
+        return self.state in ("Z", "X") or bool(self.flags & PF_EXITING)
 
     def started(self, proc_root: Path = PROC) -> float | None:
         """When it started, in unix seconds, as psutil's create_time() computes it (boot time plus
@@ -312,6 +324,7 @@ def read_process_stat(
             num_threads=st.num_threads,
             starttime_ticks=st.starttime_ticks,
             processor=st.processor,
+            flags=st.flags,
         ),
         (),
     )
