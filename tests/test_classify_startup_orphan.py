@@ -89,6 +89,31 @@ def test_orphan_holding_a_gpu_names_the_devices():
     assert "accelerator memory behind those devices" in v.advice[1]
 
 
+def test_engine_processes_in_their_exit_are_not_a_certain_orphan():
+    """A deployment killed whole on a loaded host: its API server gone, its EngineCore and Workers
+    still in the process table (state R) while the kernel tears them down, PF_EXITING set
+    (seen in the live exits-mid-capture test: 3 s later, read as a certain orphan). The rule
+    still names them, below certainty, so a capture goes on and sees them go, or stay."""
+    from wedgectl.sampler import CERTAIN
+
+    b = with_processes(load("orphaned-engine"), lambda p: replace(p, exiting=True, state="R"))
+    v = classify(b)
+    assert (v.verdict, v.confidence) == (VerdictKind.ORPHANED_ENGINE, C.ORPHAN_EXITING) and v.confidence < CERTAIN
+    assert v.facts["exiting"] is True and "are in their exit" in v.summary
+    assert v.advice[0].startswith("Diagnose again in a few seconds")
+    procs = b.samples[-1].processes
+    text = " | ".join(e.what for e in v.evidence)
+    assert text.count("in its exit (PF_EXITING") == len(procs)
+    # one of them not in its exit: left behind, as certain as before
+    worker = next(p.pid for p in procs if p.role is Role.WORKER)
+    v = classify(with_processes(b, lambda p: replace(p, exiting=False) if p.pid == worker else p))
+    assert v.confidence == C.ORPHAN_REPARENTED and "exiting" not in v.facts
+    assert v.advice[0].startswith("Kill them: kill -9")
+    # then gone: the deployment exited, no orphan
+    gone = replace(b, samples=(*b.samples, replace(b.samples[-1], t=b.samples[-1].t + 1, processes=())))
+    assert classify(gone).verdict is not VerdictKind.ORPHANED_ENGINE
+
+
 def test_an_api_server_in_the_tree_is_no_orphan():
     b = load("orphaned-engine")
     top = next(p for p in b.samples[-1].processes if p.role is Role.ENGINE_CORE)

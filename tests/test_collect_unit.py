@@ -82,7 +82,7 @@ def test_parse_stat_plain() -> None:
     assert st.flags == 4194560 and not st.flags & procfs.PF_EXITING
 
 
-def test_a_process_in_its_exit_reads_as_exited(tmp_path: Path) -> None:
+def test_a_process_in_its_exit_reads_as_exiting(tmp_path: Path) -> None:
     """PF_EXITING (0x4) in the flags field: killed, being torn down, still in state R."""
     from wedgectl.collect.processes import sample_process
 
@@ -90,11 +90,13 @@ def test_a_process_in_its_exit_reads_as_exited(tmp_path: Path) -> None:
     (tmp_path / "4138" / "stat").write_text(STAT_PLAIN.replace(" S 4100 ", " R 4100 ").replace(" 4194560 ", " 4194564 "))
     st, failures = procfs.read_process_stat(4138, tmp_path)
     assert failures == () and st is not None
-    assert (st.state, st.flags & procfs.PF_EXITING, st.exited) == ("R", 4, True)
-    sample, _ = sample_process(4138, Role.ENGINE_CORE, proc_root=tmp_path)
-    assert (sample.state, sample.name, sample.ppid, sample.threads) == ("X", "python", 4100, ())
+    assert (st.state, st.flags & procfs.PF_EXITING, st.exiting) == ("R", 4, True)
+    sample, _ = sample_process(4138, Role.ENGINE_CORE, proc_root=tmp_path, with_threads=False)
+    assert (sample.state, sample.exiting, sample.ppid) == ("R", True, 4100)
+    (tmp_path / "4138" / "stat").write_text(STAT_PLAIN.replace(" S 4100 ", " Z 4100 ").replace(" 4194560 ", " 4194564 "))
+    assert not procfs.read_process_stat(4138, tmp_path)[0].exiting  # a zombie has exited
     (tmp_path / "4138" / "stat").write_text(STAT_PLAIN)
-    assert not procfs.read_process_stat(4138, tmp_path)[0].exited
+    assert not procfs.read_process_stat(4138, tmp_path)[0].exiting
 
 
 def test_parse_stat_comm_with_spaces_and_parentheses() -> None:

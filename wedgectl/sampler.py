@@ -199,9 +199,9 @@ class TreeCache:
 
 
 def _start_ticks(pid: int) -> int | None:
-    """The process's start time; None once it has exited (a zombie, or one in its exit, has too)."""
+    """The process's start time; None once it has exited (a zombie has, too)."""
     stat, _ = procfs.read_process_stat(pid)
-    return None if stat is None or stat.exited else stat.starttime_ticks
+    return None if stat is None or stat.state in ("Z", "X") else stat.starttime_ticks
 
 
 def _collect_processes(dep: Deployment, tree: TreeCache | None = None) -> tuple[tuple[ProcessSample, ...], list[CollectorFailure]]:

@@ -199,6 +199,9 @@ class ProcessSample:
     # delay); read for the same processes. None: not read.
     main_runq_s: float | None = None
     cpu_limit: CpuLimit | None = None  # its cgroup's CPU limit, read for the same processes; None: no limit (or unread)
+    # In its exit (PF_EXITING in its stat flags): killed or returned, being torn down by the kernel,
+    # not yet a zombie; its state reads R, D or S meanwhile (procfs.ProcessStat.exiting).
+    exiting: bool = False
 
     @property
     def cpu_s(self) -> float:

@@ -26,6 +26,10 @@ ORPHAN_REPARENTED = 0.95
 # No API server and engine processes alive under a parent that is not one (a subreaper, or an
 # offline LLM script: the process table cannot tell those apart).
 ORPHAN_NO_API = 0.8
+# No API server, and every engine process left is in its exit (PF_EXITING): a deployment killed
+# whole reads so until the kernel has torn it down (seconds, on a loaded host); only one that
+# stays there is left behind. Never certain: the capture goes on, and sees them go or stay.
+ORPHAN_EXITING = 0.5
 
 # Start-up quiet past STARTUP_QUIET_S with the engine parked, a stack naming the phase and the log's last line.
 STARTUP_PARKED_CORROBORATED = 0.9

@@ -40,7 +40,7 @@ def _few(items, most: int = 3) -> str:
 
 
 def _holds(p: ProcessSample) -> str:
-    parts = []
+    parts = ["in its exit (PF_EXITING: killed or returned, the kernel tearing it down)"] if p.exiting else []
     if p.rss_bytes is not None:
         parts.append(f"RSS {p.rss_bytes / 2**20:.0f} MiB")
     parts.append(f"listening on {_few(p.listening)}" if p.listening else "no listening port")
@@ -69,6 +69,8 @@ def _orphan_verdict(f: Facts) -> Verdict:
         ev.append(Evidence("log", "the log ends without any shutdown line: the API server was killed, not stopped",
                            values={"lines": f.log.n_lines}))
     pids = [p.pid for p in procs]
+    engine = [p for p in procs if p.role in _ENGINE_ROLES]
+    exiting = bool(engine) and all(p.exiting for p in engine)
     rss = sum(p.rss_bytes or 0 for p in procs)
     ports = sorted({a for p in procs for a in p.listening})
     devices = sorted({d for p in procs for d in p.devices})
@@ -83,6 +85,20 @@ def _orphan_verdict(f: Facts) -> Verdict:
         "Prevent it: run the patched engine (its engine processes exit when their API server dies), or have the "
         "supervisor kill the whole process group / cgroup, not only the API server.",
     )
+    if exiting:
+        # Seen: a deployment killed whole on a loaded host, its EngineCore still in state R 3 s
+        # later while the kernel tore it down; read as a certain orphan before.
+        return Verdict(
+            VerdictKind.ORPHANED_ENGINE, C.ORPHAN_EXITING,
+            f"The API server is gone and its engine process(es) (pids {' '.join(map(str, pids))}) are in their exit: "
+            "a deployment being killed or stopped, torn down by the kernel. Left behind only if they stay there.",
+            "live_orphaned_engine", tuple(ev),
+            ("Diagnose again in a few seconds: a process in its exit ends on its own, unless the kernel cannot "
+             "finish it (state D, a driver's release: `cat /proc/PID/stack` as root shows where). kill -9 "
+             "changes nothing for a process already in its exit.",),
+            {"pids": pids, "rss_bytes": rss, "listening": ports, "devices": devices,
+             "roles": {str(p.pid): p.role.value for p in procs}, "reparented": reparented, "exiting": True},
+        )
     return Verdict(
         VerdictKind.ORPHANED_ENGINE, C.ORPHAN_REPARENTED if reparented else C.ORPHAN_NO_API,
         f"The API server is gone; {len(procs)} engine process(es) live on (pids {' '.join(map(str, pids))}) holding {held}.",

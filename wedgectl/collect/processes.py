@@ -412,11 +412,6 @@ def sample_process(
     failures.extend(stat_failures)
     if stat is None and any(f.kind is FailureKind.GONE for f in stat_failures):
         return ProcessSample(pid=pid, ppid=0, role=role, name="", state=""), tuple(failures)
-    if stat is not None and stat.exited and stat.state not in ("Z", "X"):
-        # In its exit (PF_EXITING): it reads R or D while a loaded host tears it down, but it has
-        # exited in all but its last steps; sampled as dead (X), nothing else read. Seen: a
-        # deployment killed whole, its EngineCore still in R 3 s later, read as an orphaned engine.
-        return ProcessSample(pid=pid, ppid=stat.ppid, role=role, name=stat.comm, state="X"), tuple(failures)
 
     name, cmdline = (stat.comm if stat else ""), ()
     try:
@@ -491,6 +486,7 @@ def sample_process(
         main_quiet_s=main_sched[0],
         main_runq_s=main_sched[1],
         cpu_limit=procfs.read_cpu_limit(pid, proc_root) if role in STEPPING_ROLES else None,
+        exiting=stat.exiting if stat else False,
     )
     return sample, tuple(failures)
 
@@ -529,7 +525,7 @@ def sample_roles(roles: dict[int, Role], threads_memo: procfs.ThreadMemo | None 
         if not sample.state and fails and fails[0].kind is FailureKind.GONE:
             continue  # gone before its stat was read: not part of this sample, as before it was found
         failures.extend(fails)
-        if sample.state and sample.state not in ("Z", "X"):  # exited (a zombie: only its parent's wait is missing) or exiting
+        if sample.state and sample.state not in ("Z", "X"):  # a zombie has exited; only its parent's wait is missing
             out.append(sample)
     return tuple(out), failures
 

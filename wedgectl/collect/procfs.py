@@ -290,11 +290,12 @@ class ProcessStat:
         return self.utime_s + self.stime_s
 
     @property
-    def exited(self) -> bool:
-        """It has exited, or is in its exit: a zombie (Z) or dead (X), or with PF_EXITING set (killed,
-        its threads and memory being torn down; it reads as R or D meanwhile, for as long as a
-        loaded host takes to run that, seconds). Nothing of the server runs there any more."""
-        return self.state in ("Z", "X") or bool(self.flags & PF_EXITING)
+    def exiting(self) -> bool:
+        """In its exit, not yet a zombie: PF_EXITING set (killed, or returned from main; its threads,
+        memory and files being torn down). It reads as R, D or S meanwhile: for as long as a loaded
+        host takes to run that (measured: 0.69 s for 2 GiB on 2 busy CPUs), or for good where the
+        kernel cannot finish it (a driver's release stuck in state D). Nothing of Python runs there."""
+        return bool(self.flags & PF_EXITING) and self.state not in ("Z", "X")
 
     def started(self, proc_root: Path = PROC) -> float | None:
         """When it started, in unix seconds, as psutil's create_time() computes it (boot time plus

@@ -168,7 +168,7 @@ class Watched:
         procs = []
         for pid, role in d.roles.items():
             stat, fails = procfs.read_process_stat(pid)
-            if stat is None or stat.exited:
+            if stat is None or stat.state in ("Z", "X"):
                 failures.extend(f for f in fails if f.kind is not FailureKind.GONE)
                 continue
             procs.append(ProcessSample(pid=pid, ppid=stat.ppid, role=role, name=stat.comm, state=stat.state,
