@@ -76,15 +76,8 @@ def _orphan_verdict(f: Facts) -> Verdict:
     devices = sorted({d for p in procs for d in p.devices})
     held = f"{rss / 2**20:.0f} MiB RSS" + (f", {len(ports)} listening port(s) ({_few(ports)})" if ports else "") + (
         f", devices {', '.join(devices)}" if devices else "")
-    advice = (
-        f"Kill them: kill -9 {' '.join(map(str, pids))}. Nothing else will: the EngineCore does not watch "
-        "its parent and the Workers exit only when the EngineCore does.",
-        "Until then a restart fails or lands on a half-occupied host: the orphans hold "
-        + held + (", and the accelerator memory behind those devices." if devices else ".")
-        + " Check with `nvidia-smi --query-compute-apps=pid,used_memory --format=csv` on GPU hosts.",
-        "Prevent it: run the patched engine (its engine processes exit when their API server dies), or have the "
-        "supervisor kill the whole process group / cgroup, not only the API server.",
-    )
+    facts = {"pids": pids, "rss_bytes": rss, "listening": ports, "devices": devices,
+             "roles": {str(p.pid): p.role.value for p in procs}, "reparented": reparented}
     if exiting:
         # Seen: a deployment killed whole on a loaded host, its EngineCore still in state R 3 s
         # later while the kernel tore it down; read as a certain orphan before.
@@ -96,15 +89,21 @@ def _orphan_verdict(f: Facts) -> Verdict:
             ("Diagnose again in a few seconds: a process in its exit ends on its own, unless the kernel cannot "
              "finish it (state D, a driver's release: `cat /proc/PID/stack` as root shows where). kill -9 "
              "changes nothing for a process already in its exit.",),
-            {"pids": pids, "rss_bytes": rss, "listening": ports, "devices": devices,
-             "roles": {str(p.pid): p.role.value for p in procs}, "reparented": reparented, "exiting": True},
+            {**facts, "exiting": True},
         )
+    advice = (
+        f"Kill them: kill -9 {' '.join(map(str, pids))}. Nothing else will: the EngineCore does not watch "
+        "its parent and the Workers exit only when the EngineCore does.",
+        "Until then a restart fails or lands on a half-occupied host: the orphans hold "
+        + held + (", and the accelerator memory behind those devices." if devices else ".")
+        + " Check with `nvidia-smi --query-compute-apps=pid,used_memory --format=csv` on GPU hosts.",
+        "Prevent it: run the patched engine (its engine processes exit when their API server dies), or have the "
+        "supervisor kill the whole process group / cgroup, not only the API server.",
+    )
     return Verdict(
         VerdictKind.ORPHANED_ENGINE, C.ORPHAN_REPARENTED if reparented else C.ORPHAN_NO_API,
         f"The API server is gone; {len(procs)} engine process(es) live on (pids {' '.join(map(str, pids))}) holding {held}.",
-        "live_orphaned_engine", tuple(ev), advice,
-        {"pids": pids, "rss_bytes": rss, "listening": ports, "devices": devices,
-         "roles": {str(p.pid): p.role.value for p in procs}, "reparented": reparented},
+        "live_orphaned_engine", tuple(ev), advice, facts,
     )
 
 

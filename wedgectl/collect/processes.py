@@ -516,12 +516,7 @@ def sample_roles(roles: dict[int, Role], threads_memo: procfs.ThreadMemo | None 
     reading = any(fds_memo is None or pid not in fds_memo for pid in roles)
     ours = own_tcp_addresses(tables) if reading else frozenset()
     for pid, role in roles.items():
-        try:
-            sample, fails = sample_process(pid, role, tables=(tables, ours), threads_memo=threads_memo,
-                                           fds_memo=fds_memo)
-        except psutil.Error:
-            failures.append(CollectorFailure(COLLECTOR, FailureKind.GONE, "exited mid-capture", str(pid)))
-            continue
+        sample, fails = sample_process(pid, role, tables=(tables, ours), threads_memo=threads_memo, fds_memo=fds_memo)
         if not sample.state and fails and fails[0].kind is FailureKind.GONE:
             continue  # gone before its stat was read: not part of this sample, as before it was found
         failures.extend(fails)
