@@ -389,47 +389,76 @@ async def test_a_refresh_draws_only_the_rows_that_changed(monkeypatch):
         table.set_rows(rows, None)
         await pilot.pause(0.1)
         drawn: list[tuple] = []
-        real = widgets.RowTable._line
+        lines: list[int] = []
+        real, real_line = widgets.RowTable._line, widgets.RowTable.render_line
         monkeypatch.setattr(widgets.RowTable, "_line", lambda self, cells, style: drawn.append(cells) or real(self, cells, style))
+        monkeypatch.setattr(widgets.RowTable, "render_line", lambda self, y: lines.append(y) or real_line(self, y))
         changed = list(rows)
         changed[5] = ("105", (105, "python", "R", "97", "", "running", "", ""))
         table.set_rows(changed, None)
         await pilot.pause(0.1)
         assert [str(c[0]) for c in drawn if c and str(c[0]) != "TID"] == ["105"]
         assert [str(c) for c in table.get_row_at(5)][3] == "97"
+        # Textual styles only that line again (the table's other lines and its header come from its cache)
+        assert lines == [6]
+        lines.clear()
+        table.set_rows(changed, None)  # the same rows again: nothing is drawn
+        await pilot.pause(0.1)
+        assert lines == []
+        wider = list(changed)
+        wider[7] = ("107", (107, "python", "S", "0", "a_much_longer_wchan_name", "futex", "", ""))
+        table.set_rows(wider, None)  # a column grew: every line moves, the header too
+        await pilot.pause(0.1)
+        assert 0 in lines and len(lines) >= 21
 
 
 @pytest.mark.asyncio
-async def test_a_sparkline_is_drawn_as_its_bars_and_repainted_only_when_they_change(monkeypatch):
-    """SparkText draws one cached Strip of model.spark_text's bars; a new series with the same
-    bars (an idle counter's zeros, sample after sample) repaints nothing."""
+async def test_the_counters_are_drawn_as_lines_and_only_a_changed_line_is_drawn_again(monkeypatch):
+    """CounterPanel draws each counter as one line (name, model.spark_text's bars, value); a new
+    refresh whose counters look the same draws nothing, and one changed counter draws its line
+    alone. Three widgets a counter, styled and composited each refresh, were most of a frame's
+    drawing after the tables."""
     from textual.app import App
 
     from wedgectl.tui import model
-    from wedgectl.tui.widgets import SparkText
+    from wedgectl.tui.widgets import CounterPanel
 
     class One(App):
-        CSS = "SparkText { width: 12; height: 1; }"
+        CSS = "CounterPanel { width: 50; height: 4; }"
 
         def compose(self):
-            yield SparkText()
+            yield CounterPanel()
+
+    def rows(kv: float, gen: tuple[float, ...]) -> tuple[model.CounterRow, ...]:
+        return (model.CounterRow("gen_tps", "gen tok/s", gen, f"{gen[-1]:.1f}"),
+                model.CounterRow("kv", "KV cache %", (kv,), f"{kv:.0f} %", top=100.0))
 
     app = One()
-    async with app.run_test(size=(40, 5)) as pilot:
-        spark = app.query_one(SparkText)
-        spark.series = ((0.0, 1.0, 4.0), 1.0)
+    async with app.run_test(size=(60, 6)) as pilot:
+        panel = app.query_one(CounterPanel)
+        panel.counters = rows(40.0, (0.0, 1.0, 4.0))
         await pilot.pause(0.1)
-        assert spark.render_line(0).text == model.spark_text([0.0, 1.0, 4.0], 12) == " " * 9 + "▁▃█"
-        refreshed: list[int] = []
-        real = SparkText.refresh
-        monkeypatch.setattr(SparkText, "refresh", lambda self, *a, **k: refreshed.append(1) or real(self, *a, **k))
-        spark.series = ((0.0, 1.0, 4.0, 4.0), 1.0)  # a new bar: repainted
-        spark.series = ((0.0, 1.0, 4.0, 4.0), 1.0)
-        assert len(refreshed) == 1  # the same series again: nothing to draw
-        spark.series = ((0.0, 0.0, 1.0, 4.0, 4.0), 1.0)  # one more bar on the left: repainted
-        assert len(refreshed) == 2
+        first = panel.render_line(0).text
+        assert first == "gen tok/s        " + model.spark_text([0.0, 1.0, 4.0], 50 - 16 - 18 - 2) + " " + "4.0".rjust(18)
+        assert first.endswith("▁▃█" + " " * 16 + "4.0") and len(first) == 50
+        assert panel.render_line(1).text.startswith("KV cache %") and panel.render_line(1).text.endswith("40 %")
+        assert not panel.render_line(2).text.strip()
+
+        drawn: list[int] = []
+        real = CounterPanel.render_line
+        monkeypatch.setattr(CounterPanel, "render_line", lambda self, y: drawn.append(y) or real(self, y))
+        panel.counters = rows(40.0, (0.0, 1.0, 4.0))  # a new refresh, the same lines: nothing drawn
         await pilot.pause(0.1)
-        assert spark.render_line(0).text == " " * 7 + "▁▁▃██" and not spark.render_line(1).text.strip()
+        assert drawn == []
+        panel.counters = rows(55.0, (0.0, 1.0, 4.0))  # the KV line alone changed
+        await pilot.pause(0.1)
+        assert drawn == [1]
+        assert panel.render_line(1).text.endswith("55 %")
+        drawn.clear()
+        panel.counters = (*rows(55.0, (0.0, 1.0, 4.0)), model.CounterRow("waiting", "waiting", (3.0,), "3"))
+        await pilot.pause(0.1)
+        assert sorted(set(drawn)) == [0, 1, 2, 3]  # a counter appeared: the panel is drawn again
+        assert panel.render_line(2).text.startswith("waiting")
 
 
 @pytest.mark.parametrize("name,healthy", [("healthy", True), ("admission-wedge", False)])

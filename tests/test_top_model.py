@@ -126,6 +126,19 @@ def test_stack_lines_name_the_dump_and_the_thread():
     assert model.stack_lines(None, 1)[0].startswith("no stack dump yet")
 
 
+def test_a_stack_dumps_age_moves_in_steps_so_a_refresh_does_not_redraw_the_stack():
+    b = read_bundle(BUNDLES / "admission-wedge.tar.gz")
+    stacks = model.window_stacks([model.ScrapedSample.of(s) for s in b.samples])
+    engine = next(p.pid for p in b.samples[-1].processes if p.role == Role.ENGINE_CORE)
+    tid = model.main_tids(stacks)[engine]
+    at = model.pick_dump(stacks[engine], tid).t
+    heads = {age: model.stack_lines(stacks[engine], tid, now=at + age)[0] for age in (0.5, 4.9, 5.0, 9.9, 12.0, 14.9, 61.0)}
+    assert " ago" not in heads[0.5] and heads[0.5] == heads[4.9]  # the time of day alone says it
+    assert ", 5 s ago" in heads[5.0] and heads[5.0] == heads[9.9]
+    assert ", 10 s ago" in heads[12.0] and heads[12.0] == heads[14.9]
+    assert ", 60 s ago" in heads[61.0]
+
+
 def test_the_resource_tracker_is_marked_and_its_stack_view_says_why_it_has_no_dump():
     b = read_bundle(BUNDLES / "admission-wedge.tar.gz")
     window = [model.ScrapedSample.of(s) for s in b.samples]

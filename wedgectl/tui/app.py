@@ -388,7 +388,9 @@ class TopApp(App):
             self.selected_tid = main if main in tids else (self.selected_pid if self.selected_pid in tids else tids[0])
         table = self.w_threads
         table.selected = self.selected_tid
-        table.border_title = f"threads of pid {self.selected_pid}" if self.selected_pid else "threads"
+        title = f"threads of pid {self.selected_pid}" if self.selected_pid else "threads"
+        if str(table.border_title) != title:  # setting a border title repaints the whole table, even the same title
+            table.border_title = title
         table.entries = rows
         self._draw_stack()
 

@@ -20,6 +20,10 @@ from wedgectl.tui.model import Frame
 from wedgectl.tui.source import STACKS_EVERY, Collector, LiveSource
 
 DEFAULT_REFRESH_S = 2.0
+# The screen the app is laid out for (top.tcss). At Textual's headless default, 80x24, the stack
+# and evidence views are off screen: a frame drew less than on a terminal, and each of their
+# updates made Textual map the whole screen again.
+APP_SIZE = (120, 40)
 
 
 def run_headless(source: LiveSource, duration_s: float, refresh_s: float = DEFAULT_REFRESH_S,
@@ -47,7 +51,7 @@ def run_app_headless(source: LiveSource, duration_s: float, refresh_s: float = D
     from wedgectl.tui.app import make_app
 
     app = make_app(source, refresh_s=refresh_s, stacks_every=stacks_every, quit_after_s=duration_s)
-    app.run(headless=True)
+    app.run(headless=True, size=APP_SIZE)
     frame = app.frame
     return (app.collector.ticks if app.collector else 0), (frame.verdict.verdict.value if frame else None)
 

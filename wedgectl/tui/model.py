@@ -337,6 +337,9 @@ def describe_target(manifest: Manifest) -> str:
     return " ".join(parts) or "(no target)"
 
 
+AGE_STEP_S = 5  # a stack dump's age is shown in these steps
+
+
 def stack_lines(dumps: Sequence[StackDump] | StackDump | None, tid: int | None, now: float | None = None,
                 helper: bool = False) -> list[str]:
     """The selected thread's Python stack, innermost first, with what dump it comes from.
@@ -350,7 +353,9 @@ def stack_lines(dumps: Sequence[StackDump] | StackDump | None, tid: int | None, 
                     "so no stack dump covers it"]
         return ["no stack dump yet: press d (Python) or D (native, pauses the target ~50 ms)"]
     when = time.strftime("%H:%M:%S", time.localtime(dump.t))
-    age = f", {now - dump.t:.0f} s ago" if now is not None and now - dump.t >= 1 else ""
+    # The age in AGE_STEP_S steps: a line that changed every second redrew the whole stack view
+    # every refresh (its time of day is exact).
+    age = f", {(now - dump.t) // AGE_STEP_S * AGE_STEP_S:.0f} s ago" if now is not None and now - dump.t >= AGE_STEP_S else ""
     head = f"py-spy{' --native' if dump.native else ''} dump of pid {dump.pid} at {when}{age}"
     if dump.error is not None:
         return [head, f"failed: {dump.error}"]

@@ -12,16 +12,14 @@ from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
 from textual import events
-from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
-from textual.geometry import Size
+from textual.geometry import Region, Size
 from textual.message import Message
 from textual.reactive import reactive, var
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 from textual.widget import Widget
-from textual.widgets import Label, Static
+from textual.widgets import Static
 
 from wedgectl.tui.model import CounterRow, ProcessRow, ThreadRow, spark_text
 from wedgectl.types import Verdict, VerdictKind
@@ -78,82 +76,58 @@ class StatusLine(Static):
         self.update(text, layout=False)  # one fixed line
 
 
-class SparkText(Widget):
-    """A one-line sparkline, one bar per sample, on a fixed scale (see model.spark_text).
+class CounterPanel(Widget):
+    """The counters, one line each: name, a sparkline over the window (see model.spark_text) and
+    the latest value. Lines appear as the counters do (the heartbeat's only when the engine has it).
 
-    Drawn through the line API: one Strip, built again only when the bars change. Sparklines
-    were the largest part of a live refresh's drawing (measured per widget), one repaint each;
-    now a new series whose bars look the same (an idle counter's zeros) repaints nothing."""
+    Drawn through the line API, one cached Strip per line, and a refresh marks dirty only the
+    lines whose text changed: a line per counter used to be three widgets (label, sparkline,
+    value), each styled and composited again every refresh, the largest part of a live frame's
+    drawing after the tables (measured per widget)."""
 
-    series: reactive[tuple[tuple[float, ...], float]] = var(((), 1.0))
+    NAME_WIDTH = 16
+    VALUE_WIDTH = 18
+    counters: reactive[tuple[CounterRow, ...]] = var(())
 
-    _strip: Strip | None = None
-    _strip_key: tuple[str, int, Style] | None = None
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._texts: list[str] = []  # each line's text as last drawn
+        self._strips: dict[tuple[str, Style], Strip] = {}
 
-    def _bars(self) -> str:
-        values, top = self.series
-        return spark_text(values, self.size.width, top)
+    def line_text(self, row: CounterRow, width: int) -> str:
+        """One counter's line at `width` cells: its name, its bars, its value at the right."""
+        spark = max(0, width - self.NAME_WIDTH - self.VALUE_WIDTH - 2)
+        name = row.label[: self.NAME_WIDTH].ljust(self.NAME_WIDTH)
+        value = row.current[-self.VALUE_WIDTH:].rjust(self.VALUE_WIDTH)
+        return f"{name} {spark_text(row.values, spark, row.top)} {value}"[:width] if width > 0 else ""
 
-    def watch_series(self) -> None:
-        if self._strip_key is None or self._bars() != self._strip_key[0]:
+    def watch_counters(self, counters: Sequence[CounterRow]) -> None:
+        width = self.size.width
+        texts = [self.line_text(row, width) for row in counters]
+        if len(texts) != len(self._texts):
             self.refresh()
+        else:
+            for y, (new, old) in enumerate(zip(texts, self._texts)):
+                if new != old:
+                    self.refresh(Region(0, y, max(width, 1), 1))
+        self._texts = texts
+
+    def on_resize(self) -> None:
+        self._texts = []  # every line again, at the new width
+        self.watch_counters(self.counters)
 
     def render_line(self, y: int) -> Strip:
         width, style = self.size.width, self.rich_style
-        if y != 0:
+        if y >= len(self.counters):
             return Strip.blank(width, style)
-        key = (self._bars(), width, style)
-        if key != self._strip_key or self._strip is None:
-            self._strip_key = key
-            self._strip = Strip([Segment(key[0], style)], cell_length=len(key[0]))
-        return self._strip
-
-
-class CounterLine(Horizontal):
-    """A counter's name, its sparkline over the window, and its latest value."""
-
-    row: reactive[CounterRow | None] = var(None)
-
-    def __init__(self, key: str, label: str) -> None:
-        super().__init__(id=f"counter-{key}", classes="counter")
-        self._name = Label(label, classes="name")
-        self._spark = SparkText(classes="spark")
-        self._value = Label("-", classes="value")
-
-    def compose(self) -> ComposeResult:
-        yield self._name
-        yield self._spark
-        yield self._value
-
-    def watch_row(self, row: CounterRow | None) -> None:
-        if row is None:
-            return
-        if str(self._name.content) != row.label:
-            self._name.update(row.label, layout=False)
-        self._spark.series = (row.values, row.top)
-        if str(self._value.content) != row.current:
-            self._value.update(row.current, layout=False)
-
-
-class CounterPanel(Vertical):
-    """One CounterLine per counter; lines appear as the counters do (the heartbeat's only when the engine has it)."""
-
-    counters: reactive[tuple[CounterRow, ...]] = var(())
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self._lines: dict[str, CounterLine] = {}  # by key: a DOM query per counter per refresh costs more
-
-    def watch_counters(self, counters: Sequence[CounterRow]) -> None:
-        for row in counters:
-            line = self._lines.get(row.key)
-            if line is None:
-                line = self._lines[row.key] = CounterLine(row.key, row.label)
-                self.mount(line)
-            line.row = row
-        keys = {r.key for r in counters}
-        for key in [k for k in self._lines if k not in keys]:
-            self._lines.pop(key).remove()
+        text = self.line_text(self.counters[y], width)
+        key = (text, style)
+        strip = self._strips.get(key)
+        if strip is None:
+            if len(self._strips) > 4 * max(8, len(self.counters)):
+                self._strips.clear()  # bounded: a long session's old lines go
+            strip = self._strips[key] = Strip([Segment(text, style)], cell_length=len(text)).extend_cell_length(width, style)
+        return strip
 
 
 class RowTable(ScrollView, can_focus=True):
@@ -211,6 +185,8 @@ class RowTable(ScrollView, can_focus=True):
 
     def set_rows(self, rows: Sequence[tuple[str, Sequence[object]]], keep: str | None) -> None:
         before = self.cursor_key
+        drawn = [self._strip_key(i) for i in range(len(self._rows))]
+        scrolled, widths_drawn = self.scroll_offset, self._widths
         self._keys = [k for k, _ in rows]
         self._rows = [tuple(c if isinstance(c, Text) else Text(str(c)) for c in cells) for _, cells in rows]
         widths = [len(c) for c in self.COLUMNS]
@@ -221,10 +197,16 @@ class RowTable(ScrollView, can_focus=True):
         target = keep if keep in self._keys else before if before in self._keys else None
         self.cursor_row = self._keys.index(target) if target is not None else min(self.cursor_row, max(0, len(self._keys) - 1))
         self.virtual_size = Size(1 + sum(self._widths) + self.GAP * len(self._widths), len(self._rows) + 1)
-        live = {self._strip_key(i) for i in range(len(self._rows))}
+        keys = [self._strip_key(i) for i in range(len(self._rows))]
+        live = set(keys)
         self._strips = {k: v for k, v in self._strips.items() if k in live}
         self._scroll_to_cursor()
-        self.refresh()
+        if len(keys) != len(drawn) or self.scroll_offset != scrolled or self._widths != widths_drawn:
+            self.refresh()  # the header too
+        else:  # the same rows in the same place: only the lines whose cells changed are drawn again
+            for i, (new, old) in enumerate(zip(keys, drawn)):
+                if new != old:
+                    self.refresh_line(i + 1)  # below the header
         if self.cursor_key is not None and self.cursor_key != before:
             self.post_message(self.Highlighted(self, self.cursor_key))
 
