@@ -91,7 +91,8 @@ class CounterPanel(Widget):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._texts: list[str] = []  # each line's text as last drawn
+        self._texts: list[str] = []  # each line's text, as the last counters gave them at _width
+        self._width = -1
         self._strips: dict[tuple[str, Style], Strip] = {}
 
     def line_text(self, row: CounterRow, width: int) -> str:
@@ -110,7 +111,7 @@ class CounterPanel(Widget):
             for y, (new, old) in enumerate(zip(texts, self._texts)):
                 if new != old:
                     self.refresh(Region(0, y, max(width, 1), 1))
-        self._texts = texts
+        self._texts, self._width = texts, width
 
     def on_resize(self) -> None:
         self._texts = []  # every line again, at the new width
@@ -120,7 +121,8 @@ class CounterPanel(Widget):
         width, style = self.size.width, self.rich_style
         if y >= len(self.counters):
             return Strip.blank(width, style)
-        text = self.line_text(self.counters[y], width)
+        # the text watch_counters made for this line, unless the width changed since
+        text = self._texts[y] if width == self._width and y < len(self._texts) else self.line_text(self.counters[y], width)
         key = (text, style)
         strip = self._strips.get(key)
         if strip is None:
