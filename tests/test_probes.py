@@ -228,6 +228,22 @@ def test_sched_clock_offsets_are_small_and_positive() -> None:
     assert offsets and all(-0.01 < v < 3600 for v in offsets.values())
 
 
+
+def test_the_clock_offset_comes_from_the_read_no_wait_for_a_cpu_stretched() -> None:
+    # Task clock 50 s behind: a read's exec_start is stamped between the wake (before + the
+    # 0.5 ms sleep) and the read's end. The first read waited 0.2 s for a CPU after its wake
+    # and was stamped again on resuming; a single timing at the wake read 0.2 s off there.
+    true = 50.0
+    stretched = (1000.0, 1000.2 - true, 1000.201)  # resumed at 1000.2, read by 1000.201
+    tight = (1001.0, 1001.0006 - true, 1001.0008)
+    got = procfs.offset_from_reads([stretched, tight])
+    assert got is not None and abs(got - true) < 0.0002
+    # One read alone: the middle of its bracket, so within half its width
+    alone = procfs.offset_from_reads([stretched])
+    assert alone is not None and abs(alone - true) <= 0.101
+    assert procfs.offset_from_reads([(1.0, None, 1.1)]) is None and procfs.offset_from_reads([]) is None
+    assert procfs.offset_from_reads([(1.0, None, 1.1), tight]) == got
+
 PROC_STAT = """cpu  7967132 30496 438794 4524932 3609 0 21694 204255 0 0
 cpu0 3692531 14037 200722 2570039 2362 0 12371 107225 0 0
 cpu1 4274600 16458 238072 1954893 1247 0 9323 97029 0 0

@@ -618,26 +618,61 @@ def read_thread_scheds(
     return out, tuple(failures)
 
 
+CLOCK_READS = 5  # tries per CPU at a read no preemption stretched
+CLOCK_READ_TIGHT_S = 0.002  # a bracket this narrow ends the tries
+CLOCK_SLEEP_S = 0.0005
+
+
+def offset_from_reads(reads: Iterable[tuple[float, float | None, float]],
+                      slept: float = CLOCK_SLEEP_S) -> float | None:
+    """The offset (CLOCK_MONOTONIC minus the task clock) from timed reads of a thread's own exec_start.
+
+    Each read is (monotonic before the sleep, exec_start read, monotonic after the read). The
+    wake-up stamped exec_start at least `slept` after `before`, and a preemption between the wake
+    and the read stamps it again on resuming, never later than `after`: the true offset lies in
+    [before + slept - es, after - es] whichever happened. The narrowest bracket's middle is
+    taken, so a read our own thread waited for a CPU to finish (a loaded host) cannot skew it by
+    the wait: a single read timed at the wake alone read as much as that wait off."""
+    best: tuple[float, float] | None = None
+    for before, es, after in reads:
+        if es is None:
+            continue
+        lo, hi = before + slept - es, after - es
+        width = max(0.0, hi - lo)  # none where a read ends within the sleep (a clock stood still): the read's end
+        if best is None or width < best[0]:
+            best = (width, (lo + hi) / 2 if hi > lo else hi)
+    return None if best is None else best[1]
+
+
 def sched_clock_offsets(cpus: Iterable[int], proc_root: Path = PROC) -> dict[int, float]:
     """CLOCK_MONOTONIC minus each CPU's scheduler task clock, in seconds.
 
     That clock (rq_clock_task) runs behind CLOCK_MONOTONIC by the IRQ and
     steal time each CPU has accounted. A helper thread pins itself to the CPU,
     sleeps a moment (the wake-up stamps its exec_start with that CPU's clock,
-    now) and reads its own sched file. CPUs it may not run on get the median.
+    now) and reads its own sched file, timed on both sides (offset_from_reads);
+    up to CLOCK_READS tries, until one is bracketed within CLOCK_READ_TIGHT_S.
+    CPUs it may not run on get the median.
     """
     out: dict[int, float] = {}
 
     def measure(cpu: int) -> None:
+        reads: list[tuple[float, float | None, float]] = []
         try:
             os.sched_setaffinity(0, {cpu})
-            time.sleep(0.0005)
-            now = time.monotonic()
-            es = parse_exec_start(_read_or_none(proc_root / "thread-self" / "sched") or "")
+            for _ in range(CLOCK_READS):
+                before = time.monotonic()
+                time.sleep(CLOCK_SLEEP_S)
+                es = parse_exec_start(_read_or_none(proc_root / "thread-self" / "sched") or "")
+                after = time.monotonic()
+                reads.append((before, es, after))
+                if es is None or after - before - CLOCK_SLEEP_S <= CLOCK_READ_TIGHT_S:
+                    break
         except OSError:
             return
-        if es is not None:
-            out[cpu] = now - es
+        offset = offset_from_reads(reads)
+        if offset is not None:
+            out[cpu] = offset
 
     wanted = sorted(set(cpus))
     for cpu in wanted:
