@@ -461,6 +461,67 @@ async def test_the_counters_are_drawn_as_lines_and_only_a_changed_line_is_drawn_
         assert panel.render_line(2).text.startswith("waiting")
 
 
+@pytest.mark.asyncio
+async def test_a_text_pane_wraps_scrolls_and_draws_changed_lines_without_a_layout(monkeypatch):
+    """The stack and evidence panes: text wrapped to the pane's width (its scrollbar always
+    there, so the width does not move with the text's length), scrolled inside the pane. A new
+    text of another length moves only the virtual size: no layout pass of the screen, which a
+    Static of auto height cost at every change of its line count. A same-length text draws only
+    its changed lines."""
+    from rich.text import Text
+    from textual.app import App
+    from textual.widget import Widget
+
+    from wedgectl.tui.widgets import TextPane
+
+    class One(App):
+        CSS = "TextPane { width: 21; height: 4; }"
+
+        def compose(self):
+            yield TextPane()
+
+    app = One()
+    async with app.run_test(size=(40, 8)) as pilot:
+        pane = app.query_one(TextPane)
+        width = pane.scrollable_content_region.width
+        assert width == 20  # 21 less the scrollbar's column
+        pane.show(Text("one two three four five six\nseven\n"))
+        await pilot.pause(0.1)
+        assert [pane.render_line(y).text.rstrip() for y in range(4)] == ["one two three four", "five six", "seven", ""]
+        assert str(pane.content) == "one two three four five six\nseven\n"
+        assert pane.virtual_size.height == 3
+
+        layouts: list[Widget] = []
+        real_refresh = Widget.refresh
+
+        def refresh(self, *regions, layout=False, **kw):
+            if layout:
+                layouts.append(self)
+            return real_refresh(self, *regions, layout=layout, **kw)
+
+        monkeypatch.setattr(Widget, "refresh", refresh)
+        pane.show(Text("\n".join(f"line {i}" for i in range(10))))  # longer than the pane: it scrolls
+        await pilot.pause(0.1)
+        assert pane.virtual_size.height == 10 and pane.max_scroll_y == 6 and pane.size.height == 4
+        pane.scroll_to(y=6, animate=False)
+        await pilot.pause(0.1)
+        assert pane.render_line(0).text.rstrip() == "line 6"
+        pane.show(Text("a\nb"))  # shorter: the scroll comes back within it
+        await pilot.pause(0.1)
+        assert pane.scroll_y == 0 and pane.render_line(0).text.rstrip() == "a"
+        assert layouts == []
+
+        drawn: list[int] = []
+        real = TextPane.render_line
+        monkeypatch.setattr(TextPane, "render_line", lambda self, y: drawn.append(y) or real(self, y))
+        pane.show(Text("a\nb"))  # the same text again: nothing drawn
+        await pilot.pause(0.1)
+        assert drawn == []
+        pane.show(Text("a\nc"))  # the second line alone changed
+        await pilot.pause(0.1)
+        assert drawn == [1]
+
+
 @pytest.mark.parametrize("name,healthy", [("healthy", True), ("admission-wedge", False)])
 def test_stacks_are_dumped_less_often_while_the_verdict_is_healthy(name, healthy):
     """py-spy is most of a refresh's cost: every 5th refresh while something may be wrong, every

@@ -15,7 +15,7 @@ from pathlib import Path
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, VerticalScroll
+from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.reactive import reactive, var
 from textual.screen import ModalScreen, Screen
@@ -257,11 +257,11 @@ class TopApp(App):
             yield self.w_procs
         yield self.w_threads
         with Horizontal(id="bottom-row"):
-            with VerticalScroll(id="stack-box"):
+            with Vertical(id="stack-box"):
                 yield self.w_stack
-            with VerticalScroll(id="pinned-box"):
+            with Vertical(id="pinned-box"):
                 yield self.w_pinned
-            with VerticalScroll(id="evidence-box"):
+            with Vertical(id="evidence-box"):
                 yield self.w_evidence
         yield Footer()
 

@@ -1,6 +1,6 @@
 """The widgets of `wedgectl top`: each holds one value and redraws in its watch_ method.
 
-The values are `var`s: the watcher redraws what changed (Static.update, RowTable.set_rows),
+The values are `var`s: the watcher redraws what changed (Static.update, RowTable.set_rows, TextPane.show),
 where a `reactive` would repaint the widget (a container: everything in it) once more."""
 
 from __future__ import annotations
@@ -327,25 +327,114 @@ class ThreadTable(RowTable):
         self.set_rows(out, None if self.selected is None else str(self.selected))
 
 
-class StackView(Static):
+class TextPane(ScrollView, can_focus=True):
+    """Text wrapped to the pane's width and drawn a line at a time (Textual's line API), scrolled
+    within the pane: for text whose length changes from one refresh to the next (a stack, the
+    evidence).
+
+    A Static of auto height in a scrolling box made every change of its line count lay the whole
+    screen out again, and every scrollbar that came or went restyle it: against a serving server
+    that was a layout every few refreshes, each dearer than a whole refresh otherwise. Here the
+    pane's size is the box's whatever the text: the text moves only the virtual size, and a
+    refresh draws again only the lines whose text changed. The scrollbar is always there, so
+    the width the text wraps to never changes with its length."""
+
+    DEFAULT_CSS = """
+    TextPane {
+        height: 1fr;
+        overflow-x: hidden;
+        overflow-y: scroll;
+        scrollbar-size-vertical: 1;
+    }
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._text = Text()
+        self._lines: list[Text] = []  # the text wrapped at _wrap_width
+        self._keys: list[tuple[object, ...]] = []  # each line's plain text and spans
+        self._strips: dict[tuple[object, ...], Strip] = {}
+        self._wrap_width = -1
+
+    @property
+    def content(self) -> Text:
+        """The text shown (whole, before wrapping)."""
+        return self._text
+
+    def show(self, text: Text) -> None:
+        self._text = text
+        self._wrap()
+
+    def on_resize(self) -> None:
+        self._wrap()
+
+    def _wrap(self) -> None:
+        width = self.scrollable_content_region.width
+        drawn = self._keys if width == self._wrap_width else None
+        if width <= 0:  # not laid out yet: on_resize wraps it
+            self._lines, self._keys, self._wrap_width = [], [], -1
+            return
+        text = self._text.copy()
+        text.rstrip()  # a trailing newline is no line of its own
+        self._lines = list(text.wrap(self.app.console, width)) if text.plain else []
+        self._keys = [(line.plain, tuple(line.spans), line.style) for line in self._lines]
+        self._wrap_width = width
+        live = set(self._keys)
+        self._strips = {k: v for k, v in self._strips.items() if k in live}
+        self._set_virtual_height(len(self._lines))
+        if drawn is None or len(drawn) != len(self._keys):
+            self.refresh()
+            return
+        top = int(self.scroll_offset.y)
+        for i, (new, old) in enumerate(zip(self._keys, drawn)):
+            if new != old and top <= i < top + self.size.height:
+                self.refresh_line(i)
+
+    def _set_virtual_height(self, height: int) -> None:
+        size = Size(self.scrollable_content_region.width, height)
+        if size == self.virtual_size:
+            return
+        update = getattr(self, "_scroll_update", None)
+        if update is None:  # a Textual without it: the reactive's own way, a layout pass
+            self.virtual_size = size
+            return
+        # Not through the reactive: it lays the whole screen out again (layout=True), where the
+        # pane's size is fixed by the stylesheet and only its scrollbar moves.
+        self.set_reactive(TextPane.virtual_size, size)
+        update(size)
+        if self.scroll_y > self.max_scroll_y:
+            self.scroll_to(y=self.max_scroll_y, animate=False)
+
+    def render_line(self, y: int) -> Strip:
+        width = self.scrollable_content_region.width
+        base = self.rich_style
+        index = y + int(self.scroll_offset.y)
+        if index >= len(self._lines):
+            return Strip.blank(width, base)
+        key = self._keys[index]
+        strip = self._strips.get(key)
+        if strip is None:
+            strip = self._strips[key] = Strip(self._lines[index].render(self.app.console))
+        return strip.crop_extend(0, width, base)
+
+
+class StackView(TextPane):
     """The selected thread's Python stack, innermost frame first."""
 
     lines: reactive[tuple[str, ...]] = var(())
-    _height = -1
 
     def watch_lines(self, lines: Sequence[str]) -> None:
-        self._height = _update_sized(self, Text("\n".join(lines)), self._height)
+        self.show(Text("\n".join(lines)))
 
 
-class EvidenceView(Static):
+class EvidenceView(TextPane):
     """What the verdict rests on, and what to do next."""
 
     verdict: reactive[Verdict | None] = var(None)
-    _height = -1
 
     def watch_verdict(self, verdict: Verdict | None) -> None:
         if verdict is None:
-            self._height = _update_sized(self, Text(), self._height)
+            self.show(Text())
             return
         out = Text()
         for e in verdict.evidence:
@@ -354,17 +443,7 @@ class EvidenceView(Static):
         for a in verdict.advice[:2]:
             out.append("next: ", "bold green")
             out.append(a + "\n")
-        self._height = _update_sized(self, out, self._height)
-
-
-def _update_sized(widget: Static, text: Text, height: int) -> int:
-    """Update a Static whose height follows its text: the screen is laid out again only when the
-    text's height at the widget's width changed (a layout pass renders the whole screen; a
-    repaint only the widget). Returns the new height (-1 before the widget has a width)."""
-    width = widget.content_region.width
-    lines = len(text.wrap(widget.app.console, width)) if width > 0 else -1
-    widget.update(text, layout=lines < 0 or lines != height)
-    return lines
+        self.show(out)
 
 
 def _pct(v: float | None) -> str:
