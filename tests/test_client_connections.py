@@ -63,3 +63,26 @@ def test_own_connections_are_not_clients():
         for p in (*clients, server):
             p.kill()
             p.wait(timeout=5)
+
+
+def test_a_server_in_another_network_namespace_is_read_from_its_own_table() -> None:
+    """A container's server: sock_diag answers for wedgectl's namespace only, so its table is
+    /proc/PID/net/tcp, and its listener is found there (not in ours, where nothing listens)."""
+    import os
+    import shutil
+
+    from wedgectl.collect.sockets import TcpTables
+
+    assert shutil.which("unshare"), "util-linux's unshare is part of the base system"
+    proc = subprocess.Popen(["unshare", "-n", sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        assert os.readlink(f"/proc/{proc.pid}/ns/net") != os.readlink("/proc/self/ns/net")
+        tables = TcpTables()
+        assert tables.listening_on(proc.pid, port) == (f"127.0.0.1:{port}",)
+        assert [(state, local) for state, local, _ in tables.of(proc.pid)] == [(0x0A, f"127.0.0.1:{port}")]
+        assert tables.listening_on(os.getpid(), port) == ()  # our namespace, over sock_diag: not there
+        assert tables.diag_failed is None
+    finally:
+        proc.kill()
+        proc.wait()

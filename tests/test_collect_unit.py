@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import struct
 import subprocess
 from pathlib import Path
 
@@ -353,6 +355,65 @@ def test_tcp_tables_decode_v4_and_v6(tmp_path: Path) -> None:
         "0.0.0.0:8000", "127.0.0.1:8000", "127.0.0.1:8002", "[::1]:8001"]  # v4-mapped v6 reads as v4
     assert TcpTables(tmp_path).listening_on(7, 8001) == ("[::1]:8001",)
     assert format_address("::", 80) == "[::]:80"
+
+
+SOCK_DIAG_REPLY = Path(__file__).parent / "fixtures" / "real" / "sock-diag-reply.bin"
+
+
+def test_a_recorded_sock_diag_reply_parses_to_the_sockets_it_lists() -> None:
+    """Recorded from this kernel: a test's listener on [::1]:51353, one on 127.0.0.1:33951, and a
+    connection to it (both ends), then NLMSG_DONE."""
+    data = SOCK_DIAG_REPLY.read_bytes()
+    rows: dict = {}
+    assert sockets.parse_diag_dump(data, rows) is True
+    decoded = {inode: (state, sockets.endpoint(local), sockets.endpoint(remote))
+               for inode, (state, local, remote) in rows.items()}
+    assert decoded == {
+        476769: (0x0A, ("::1", 51353), ("::", 0)),
+        476770: (0x0A, ("127.0.0.1", 33951), ("0.0.0.0", 0)),
+        476771: (0x01, ("127.0.0.1", 45928), ("127.0.0.1", 33951)),
+        476772: (0x01, ("127.0.0.1", 33951), ("127.0.0.1", 45928)),
+    }
+    # the dump's last message (NLMSG_DONE, 20 bytes) cut off: not done yet, the records kept
+    partial: dict = {}
+    assert sockets.parse_diag_dump(data[:-20], partial) is False and partial == rows
+
+
+def test_a_sock_diag_error_or_a_malformed_reply_is_an_oserror_not_a_loop() -> None:
+    error = sockets._NLMSG.pack(36, sockets.NLMSG_ERROR, 0, 1, 0) + struct.pack("=i", -13) + bytes(16)
+    with pytest.raises(OSError) as exc:
+        sockets.parse_diag_dump(error, {})
+    assert exc.value.errno == 13
+    with pytest.raises(OSError):
+        sockets.parse_diag_dump(sockets._NLMSG.pack(0, sockets.SOCK_DIAG_BY_FAMILY, 0, 1, 0), {})
+    assert sockets.parse_diag_dump(b"\x01\x02", {}) is False  # shorter than a header: nothing in it
+
+
+def test_sock_diag_and_proc_read_the_same_sockets_of_a_real_process() -> None:
+    """wedgectl's own namespace is asked over sock_diag; /proc/PID/net/tcp[6] must say the same."""
+    import socket as so
+
+    v6 = so.socket(so.AF_INET6)
+    v6.bind(("::1", 0))
+    v6.listen()
+    v4 = so.socket()
+    v4.bind(("127.0.0.1", 0))
+    v4.listen()
+    client = so.create_connection(v4.getsockname())
+    served, _ = v4.accept()
+    try:
+        diag = sockets.TcpTables()
+        by_diag = sorted(diag.of(os.getpid()))
+        assert diag.diag_failed is None
+        by_proc = sorted(sockets.TcpTables(diag=False).of(os.getpid()))
+        assert by_diag == by_proc
+        port6, port4 = v6.getsockname()[1], v4.getsockname()[1]
+        assert (0x0A, f"[::1]:{port6}", ("::", 0)) in by_diag
+        assert (0x01, f"127.0.0.1:{client.getsockname()[1]}", ("127.0.0.1", port4)) in by_diag
+        assert diag.listening_on(os.getpid(), port4) == (f"127.0.0.1:{port4}",)
+    finally:
+        for s in (v6, v4, client, served):
+            s.close()
 
 
 def _net_tree(root: Path, pid: int, fds: dict[str, str]) -> None:

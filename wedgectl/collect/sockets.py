@@ -1,5 +1,5 @@
-"""A process's sockets: LISTEN addresses and established connections, from /proc/PID/net/tcp[6]
-and the inodes of its socket fds.
+"""A process's sockets: LISTEN addresses and established connections, from the kernel's socket
+tables (sock_diag netlink, or /proc/PID/net/tcp[6]) and the inodes of its socket fds.
 
 wedgectl's own connections to the target (its /metrics and /health requests)
 are told apart, so they never count as the target's clients.
@@ -9,12 +9,25 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
+import struct
+import time
 from pathlib import Path
 
 from wedgectl.collect import procfs, procread
 
 TCP_ESTABLISHED = 0x01
 TCP_LISTEN = 0x0A
+
+# sock_diag (linux/sock_diag.h, linux/inet_diag.h): what `ss` asks the kernel
+NETLINK_SOCK_DIAG = 4
+SOCK_DIAG_BY_FAMILY = 20
+NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
+NLMSG_ERROR, NLMSG_DONE = 2, 3
+_NLMSG = struct.Struct("=IHHII")  # len, type, flags, seq, pid
+_DIAG_MSG = struct.Struct("=BBBB2s2s16s16s4x8x4x4x4x4xI")  # inet_diag_msg: family, state, .., id, .., inode
+DIAG_TIMEOUT_S = 2.0
+DIAG_MAX_BYTES = 64 << 20  # a dump past this (a host with ~600k sockets) is not read on: /proc is asked instead
 
 
 def format_address(ip: str, port: int) -> str:
@@ -25,11 +38,73 @@ def format_address(ip: str, port: int) -> str:
 def _hex_ip(hexaddr: str) -> str:
     raw = bytes.fromhex(hexaddr)
     # the kernel prints each 32-bit word in host (little-endian) byte order
-    fixed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    addr = ipaddress.ip_address(fixed)
+    return _packed_ip(b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)))
+
+
+def _packed_ip(packed: bytes) -> str:
+    addr = ipaddress.ip_address(packed)
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped:
         return str(addr.ipv4_mapped)
     return str(addr)
+
+
+def endpoint(end: str | tuple[bytes, int]) -> tuple[str, int]:
+    """(ip, port) of a table row's end: /proc's hex 'ADDR:PORT' or sock_diag's (packed, port).
+    ValueError on a row the kernel never writes."""
+    if isinstance(end, str):
+        ip, port = end.rsplit(":", 1)
+        return _hex_ip(ip), int(port, 16)
+    return _packed_ip(end[0]), end[1]
+
+
+def parse_diag_dump(data: bytes, into: dict[int, tuple[int, object, object]]) -> bool:
+    """Add one sock_diag reply's inet_diag_msgs to `into` (inode -> (state, local, remote)), sockets
+    no process holds (inode 0) left out; True once the dump is done. OSError for the kernel's error."""
+    off = 0
+    while off + _NLMSG.size <= len(data):
+        length, kind, _flags, _seq, _pid = _NLMSG.unpack_from(data, off)
+        if length < _NLMSG.size:
+            raise OSError("sock_diag: a malformed reply")
+        if kind == NLMSG_DONE:
+            return True
+        if kind == NLMSG_ERROR:
+            errno = -struct.unpack_from("=i", data, off + _NLMSG.size)[0] if length >= _NLMSG.size + 4 else 0
+            raise OSError(errno, f"sock_diag: {os.strerror(errno) if errno > 0 else 'error'}")
+        if kind == SOCK_DIAG_BY_FAMILY and length >= _NLMSG.size + _DIAG_MSG.size:
+            family, state, _t, _r, sport, dport, src, dst, inode = _DIAG_MSG.unpack_from(data, off + _NLMSG.size)
+            if inode and state in (TCP_ESTABLISHED, TCP_LISTEN):
+                n = 4 if family == socket.AF_INET else 16
+                into[inode] = (state, (src[:n], int.from_bytes(sport, "big")), (dst[:n], int.from_bytes(dport, "big")))
+        off += (length + 3) & ~3
+    return False
+
+
+def diag_tcp(family: int, timeout: float = DIAG_TIMEOUT_S) -> dict[int, tuple[int, object, object]]:
+    """This network namespace's LISTEN and ESTABLISHED TCP sockets of one address family, asked of
+    the kernel over sock_diag netlink, as `ss` does: the kernel filters on the state and writes
+    binary records. Reading /proc/net/tcp walks the same tables and makes and parses their text:
+    3.6 ms of CPU a table against sock_diag's 1.2 ms, measured beside a serving vLLM on 2 cores.
+    Bounded in time and bytes; OSError (TimeoutError) past them."""
+    deadline = time.monotonic() + timeout
+    out: dict[int, tuple[int, object, object]] = {}
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG) as sock:
+        states = (1 << TCP_ESTABLISHED) | (1 << TCP_LISTEN)
+        req = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, states) + bytes(48)  # inet_diag_req_v2
+        sock.settimeout(timeout)
+        sock.sendto(_NLMSG.pack(_NLMSG.size + len(req), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0) + req,
+                    (0, 0))
+        got = 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"sock_diag: no end of the dump within {timeout:.1f}s")
+            sock.settimeout(left)
+            data = sock.recv(1 << 16)
+            got += len(data)
+            if not data or got > DIAG_MAX_BYTES:
+                raise OSError("sock_diag: the dump ended early or ran past its size bound")
+            if parse_diag_dump(data, out):
+                return out
 
 
 def socket_inodes(pid: int, proc_root: Path = procfs.PROC, links: list[str] | None = None) -> set[int]:
@@ -69,16 +144,29 @@ def port_from_cmdline(cmdline: list[str]) -> int:
 class TcpTables:
     """The TCP sockets of the network namespaces one sample meets, each namespace's table read once.
 
-    /proc/PID/net/tcp[6] lists every socket of the namespace: on a busy host thousands of lines,
-    mostly TIME_WAIT. psutil reads and decodes it whole once per process asked; here it is read
-    once per sample, only LISTEN and ESTABLISHED rows are kept (a socket no process holds has
-    inode 0 and is skipped), and an address is decoded only for a socket a sampled process holds."""
+    A namespace's table lists every socket in it: on a busy host thousands, mostly TIME_WAIT.
+    wedgectl's own namespace (a target beside it on the host) is asked over sock_diag netlink
+    (diag_tcp), which gives only the LISTEN and ESTABLISHED ones; a target in another namespace
+    (a container), or a host where netlink is refused, is read from /proc/PID/net/tcp[6], once per
+    sample, only LISTEN and ESTABLISHED rows kept. A socket no process holds has inode 0 and is
+    skipped; an address is decoded only for a socket a sampled process holds."""
 
-    def __init__(self, proc_root: Path = procfs.PROC) -> None:
+    def __init__(self, proc_root: Path = procfs.PROC, diag: bool = True) -> None:
         self.proc_root = proc_root
-        self._tables: dict[str, dict[int, tuple[int, str, str]]] = {}  # netns -> inode -> (state, local, remote) hex
+        self.diag = diag  # False: /proc's tables even for wedgectl's own namespace
+        self._tables: dict[str, dict[int, tuple[int, object, object]]] = {}  # netns -> inode -> (state, local, remote)
+        self.diag_failed: str | None = None  # why sock_diag could not be used, once it could not
+        self._own_ns: str | None = None
 
-    def _table(self, pid: int) -> dict[int, tuple[int, str, str]]:
+    def _own_netns(self) -> str | None:
+        if self._own_ns is None:
+            try:
+                self._own_ns = os.readlink("/proc/self/ns/net")
+            except OSError:
+                self._own_ns = ""
+        return self._own_ns or None
+
+    def _table(self, pid: int) -> dict[int, tuple[int, object, object]]:
         base = self.proc_root / str(pid)
         try:
             ns = os.readlink(base / "ns" / "net")
@@ -86,16 +174,16 @@ class TcpTables:
             ns = f"pid {pid}"  # unreadable: a table of its own
         table = self._tables.get(ns)
         if table is None:
-            table = self._tables[ns] = {}
-            for name in ("tcp", "tcp6"):
+            table = None
+            if self.diag and self.proc_root == procfs.PROC and ns == self._own_netns() and self.diag_failed is None:
                 try:
-                    text = (base / "net" / name).read_text()
-                except FileNotFoundError:
-                    continue  # no IPv6
-                for line in text.splitlines()[1:]:
-                    f = line.split(None, 10)
-                    if len(f) >= 10 and f[3] in ("01", "0A") and f[9] != "0" and f[9].isdigit():
-                        table[int(f[9])] = (int(f[3], 16), f[1], f[2])
+                    table = diag_tcp(socket.AF_INET)
+                    table.update(diag_tcp(socket.AF_INET6))
+                except OSError as exc:  # netlink refused (a seccomp profile), or past its bounds
+                    self.diag_failed, table = str(exc) or type(exc).__name__, None
+            if table is None:
+                table = _proc_table(base)
+            self._tables[ns] = table
         return table
 
     def of(self, pid: int, links: list[str] | None = None) -> list[tuple[int, str, tuple[str, int]]]:
@@ -109,22 +197,40 @@ class TcpTables:
                 continue
             state, local, remote = row
             try:
-                lip, lport = local.rsplit(":", 1)
-                rip, rport = remote.rsplit(":", 1)
-                out.append((state, format_address(_hex_ip(lip), int(lport, 16)), (_hex_ip(rip), int(rport, 16))))
+                lip, lport = endpoint(local)
+                out.append((state, format_address(lip, lport), endpoint(remote)))
             except ValueError:
                 continue  # a row the kernel never writes: skipped, not fatal
         return out
-
 
     def listening_on(self, pid: int, port: int) -> tuple[str, ...]:
         """Every LISTEN address on `port` in pid's network namespace, whoever holds it."""
         found = set()
         for state, local, _remote in self._table(pid).values():
-            if state == TCP_LISTEN and local.endswith(f":{port:04X}"):
-                lip, lport = local.rsplit(":", 1)
-                found.add(format_address(_hex_ip(lip), int(lport, 16)))
+            if state != TCP_LISTEN:
+                continue
+            try:
+                lip, lport = endpoint(local)
+            except ValueError:
+                continue
+            if lport == port:
+                found.add(format_address(lip, lport))
         return tuple(sorted(found))
+
+
+def _proc_table(base: Path) -> dict[int, tuple[int, object, object]]:
+    """A namespace's LISTEN and ESTABLISHED sockets held by some process, from base/net/tcp[6]."""
+    table: dict[int, tuple[int, object, object]] = {}
+    for name in ("tcp", "tcp6"):
+        try:
+            text = (base / "net" / name).read_text()
+        except FileNotFoundError:
+            continue  # no IPv6
+        for line in text.splitlines()[1:]:
+            f = line.split(None, 10)
+            if len(f) >= 10 and f[3] in ("01", "0A") and f[9] != "0" and f[9].isdigit():
+                table[int(f[9])] = (int(f[3], 16), f[1], f[2])
+    return table
 
 
 def own_tcp_addresses(tables: TcpTables) -> frozenset[tuple[str, int]]:
