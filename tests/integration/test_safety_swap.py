@@ -254,6 +254,14 @@ def _swap_cli(pid: int, *flags: str) -> tuple[subprocess.Popen, list[str], threa
     return proc, lines, starting
 
 
+def _stdout_at_exit(proc: subprocess.Popen, timeout: float) -> str:
+    """The swap's stdout once it has exited. Its stderr is _swap_cli's reader's alone: communicate()
+    would read it too, and close it under that thread (an I/O error in the thread, lines lost)."""
+    proc.wait(timeout=timeout)  # its stdout is a few lines: no pipe fills while it runs
+    assert proc.stdout is not None
+    return proc.stdout.read()
+
+
 def _restarted_pid(out: str) -> int:
     marker = "the original command is running again as pid "
     assert marker in out, out
@@ -270,7 +278,7 @@ def test_a_signal_mid_swap_brings_the_original_back(fake, sig):
         assert starting.wait(30), "".join(lines)
         time.sleep(0.5)
         proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=30)
+        out = _stdout_at_exit(proc, 30)
         assert proc.returncode == exitcodes.INTERRUPTED, out + "".join(lines)  # before: killed, old server gone
         back = _restarted_pid(out)
         seen = _wait_health(url, 10)
@@ -313,7 +321,7 @@ def test_sigterm_mid_swap_of_a_real_vllm_restores_the_stock_server(vllm_python, 
             assert starting.wait(60), "".join(lines)
             time.sleep(1.0)  # the patched vLLM is loading
             proc.send_signal(signal.SIGTERM)
-            out, _ = proc.communicate(timeout=300)
+            out = _stdout_at_exit(proc, 300)
             assert proc.returncode == exitcodes.INTERRUPTED, out + "".join(lines)
             back = _restarted_pid(out)
             assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
