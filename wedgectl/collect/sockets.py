@@ -57,6 +57,11 @@ def endpoint(end: str | tuple[bytes, int]) -> tuple[str, int]:
     return _packed_ip(end[0]), end[1]
 
 
+def _port(end: str | tuple[bytes, int]) -> int:
+    """The port of a table row's end, its address left undecoded."""
+    return int(end.rsplit(":", 1)[1], 16) if isinstance(end, str) else end[1]
+
+
 def parse_diag_dump(data: bytes, into: dict[int, tuple[int, object, object]]) -> bool:
     """Add one sock_diag reply's inet_diag_msgs to `into` (inode -> (state, local, remote)), sockets
     no process holds (inode 0) left out; True once the dump is done. OSError for the kernel's error."""
@@ -174,7 +179,6 @@ class TcpTables:
             ns = f"pid {pid}"  # unreadable: a table of its own
         table = self._tables.get(ns)
         if table is None:
-            table = None
             if self.diag and self.proc_root == procfs.PROC and ns == self._own_netns() and self.diag_failed is None:
                 try:
                     table = diag_tcp(socket.AF_INET)
@@ -210,11 +214,10 @@ class TcpTables:
             if state != TCP_LISTEN:
                 continue
             try:
-                lip, lport = endpoint(local)
-            except ValueError:
-                continue
-            if lport == port:
-                found.add(format_address(lip, lport))
+                if _port(local) == port:  # the port first: only a match's address is decoded
+                    found.add(format_address(*endpoint(local)))
+            except (ValueError, IndexError):
+                continue  # a row the kernel never writes
         return tuple(sorted(found))
 
 
