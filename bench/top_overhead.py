@@ -1,14 +1,15 @@
 """What `wedgectl top` costs the server it watches: tokens/s with and without top attached, in one run.
 
     python bench/top_overhead.py [--rounds 10] [--phase-s 6] [--clients 2] [--max-tokens 64]
-                                 [--refresh 1] [--mode app|collector] [--python PY]
+                                 [--refresh 1] [--mode app|collector] [--same-priority] [--python PY]
 
 Starts one tiny-model vLLM server (the managed runtime), drives a fixed closed-loop load
 (CLIENTS threads, each sending the next completion as soon as the last returns) and
 measures generation tokens/s by the server's own counter (vllm:generation_tokens_total).
 
 top runs headless in a subprocess (`python -m wedgectl.tui.headless`: the whole Textual
-app by default, at the default refresh), started once. Phases alternate between top
+app by default, at the default refresh, and at `wedgectl top`'s default priority, nice +5
+and idle I/O; --same-priority keeps it at the server's), started once. Phases alternate between top
 stopped (SIGSTOP: it costs nothing, holds nothing of the target) and top running
 (SIGCONT), in ABBA order so a drift in the machine's other load cancels out. Each round
 gives one ratio (with / without); the median ratio is the answer. Tokens per CPU second
@@ -97,11 +98,13 @@ def phase(url: str, load: Load, seconds: float) -> float:
 class Top:
     """One headless top watching pid, switched off (SIGSTOP) and on (SIGCONT) between phases."""
 
-    def __init__(self, pid: int, refresh: float, mode: str, duration: float) -> None:
+    def __init__(self, pid: int, refresh: float, mode: str, duration: float, same_priority: bool = False) -> None:
         cmd = [sys.executable, "-m", "wedgectl.tui.headless", "--pid", str(pid),
                "--duration", str(duration), "--refresh", str(refresh)]
         if mode == "app":
             cmd.append("--app")
+        if same_priority:
+            cmd.append("--same-priority")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.ps = psutil.Process(self.proc.pid)
         self.cpu_on_s = 0.0  # CPU used during the phases it ran
@@ -163,6 +166,7 @@ def main() -> int:
     ap.add_argument("--refresh", type=float, default=1.0)
     ap.add_argument("--mode", choices=("app", "collector"), default="app")
     ap.add_argument("--python", help="a vLLM environment's python (default: the managed runtime)")
+    ap.add_argument("--same-priority", action="store_true", help="run top at the server's priority, not at nice +5")
     args = ap.parse_args()
 
     py = runtime_python(args.python)
@@ -177,7 +181,8 @@ def main() -> int:
         load.start()
         phase(server.url, load, 5.0)  # warm-up
         target = server.tree_pids()
-        top = Top(server.pid, args.refresh, args.mode, duration=2 * args.rounds * (args.phase_s + 2) + 60)
+        top = Top(server.pid, args.refresh, args.mode, duration=2 * args.rounds * (args.phase_s + 2) + 60,
+                  same_priority=args.same_priority)
         for r in range(args.rounds):
             order = (False, True) if r % 2 == 0 else (True, False)  # ABBA
             got = {w: measure(server.url, load, args.phase_s, top, w, target) for w in order}
@@ -200,7 +205,7 @@ def main() -> int:
     cores = psutil.cpu_count() or 1
     print()
     print(f"load: {args.clients} closed-loop clients, max_tokens {args.max_tokens}; top: {args.mode}, "
-          f"refresh {args.refresh:g} s; {args.rounds} rounds (ABBA) of 2 x {args.phase_s:.0f} s; "
+          f"refresh {args.refresh:g} s, {'same priority as the server' if args.same_priority else 'nice +5'}; {args.rounds} rounds (ABBA) of 2 x {args.phase_s:.0f} s; "
           f"load average at the end {psutil.getloadavg()[0]:.1f} on {cores} cores")
     print(f"{'':12} {'tokens/s':>9} {'tokens per server CPU s':>24}")
     print(f"{'without top':12} {statistics.mean(without):9.1f} {statistics.mean(eff_a):24.1f}")

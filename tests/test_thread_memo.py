@@ -57,3 +57,25 @@ def test_a_parked_thread_is_reused_and_a_running_one_read_again():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_without_switches_a_thread_reads_the_same_but_for_its_switch_counts():
+    proc = subprocess.Popen([sys.executable, "-c", TARGET], stdout=subprocess.PIPE, text=True)
+    try:
+        _, parked_tid = (int(x) for x in proc.stdout.readline().split())
+        full = {t.tid: t for t in procfs.read_threads(proc.pid)[0]}
+        lean = {t.tid: t for t in procfs.read_threads(proc.pid, switches=False)[0]}
+        assert set(full) == set(lean)
+        assert full[parked_tid].voluntary_switches is not None and full[parked_tid].voluntary_switches > 0
+        assert lean[parked_tid].voluntary_switches is None and lean[parked_tid].nonvoluntary_switches is None
+        for field in ("comm", "state", "wchan", "syscall_nr", "futex_addr", "futex_op"):
+            assert getattr(lean[parked_tid], field) == getattr(full[parked_tid], field), field
+        assert lean[parked_tid].futex_addr is not None  # parked on its Event
+        # top's memo keeps a lean read: the parked thread is reused on the next read
+        memo = procfs.ThreadMemo()
+        first = {t.tid: t for t in procfs.read_threads(proc.pid, unchanged=memo, switches=False)[0]}
+        again = {t.tid: t for t in procfs.read_threads(proc.pid, unchanged=memo, switches=False)[0]}
+        assert again[parked_tid] is first[parked_tid]
+    finally:
+        proc.kill()
+        proc.wait()

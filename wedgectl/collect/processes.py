@@ -463,7 +463,9 @@ def sample_process(
 
     threads: tuple = ()
     if with_threads:
-        threads, thread_failures = procfs.read_threads(pid, proc_root, timeout=timeout, unchanged=threads_memo)
+        # top (a memo) leaves out the switch counts: no verdict reads them, and status is the dearest read
+        threads, thread_failures = procfs.read_threads(pid, proc_root, timeout=timeout, unchanged=threads_memo,
+                                                       switches=threads_memo is None)
         failures.extend(thread_failures)
 
     main_sched = procfs.main_thread_sched(pid, proc_root) if role in STEPPING_ROLES else (None, None)
