@@ -162,3 +162,32 @@ def test_top_and_the_classifier_share_one_futex_grouping():
     for addr, tids in ev.values["futex_waits"].items():
         assert all(rows[t].futex == addr and rows[t].sharing == len(tids) for t in tids)
     assert sum(1 for r in rows.values() if r.futex) == proc.futex_waiters.n_waiting
+
+
+def test_a_frame_reads_its_counters_from_the_last_samples_and_draws_the_same_bars():
+    """build_frame reads the counters from the last SPARK_SAMPLES of the window: every bar the
+    counters panel can show (and every value) is the one the whole window gives."""
+    from wedgectl.tui.widgets import CounterPanel
+
+    b = read_bundle(BUNDLES / "healthy.tar.gz")
+    samples = [s for s in b.samples if s.metrics is not None and s.metrics.ok]
+    span = samples[-1].t - samples[0].t + 1.0
+    longer = []  # the recorded scrapes again and again, each round later and its counters higher
+    for k in range(-(-70 // len(samples))):
+        for s in samples:
+            text = "\n".join(
+                f"{line.rsplit(' ', 1)[0]} {float(line.rsplit(' ', 1)[1]) + k * 1000.0}"
+                if line.startswith("vllm:generation_tokens_total") else line
+                for line in s.metrics.text.splitlines())
+            longer.append(replace(s, t=s.t + k * span, metrics=replace(s.metrics, t=s.metrics.t + k * span, text=text)))
+    window = tuple(model.ScrapedSample.of(s) for s in longer[:70])
+    assert len(window) == 70 > model.SPARK_SAMPLES
+    frame = model.build_frame(b.manifest, window, b.log_lines, 10, "t")
+    whole = model.counter_rows(window)
+    width = 58 - 4 - CounterPanel.NAME_WIDTH - CounterPanel.VALUE_WIDTH - 2  # the panel's bars (border, padding)
+    assert width <= model.SPARK_SAMPLES - 1
+    assert [(r.key, r.current) for r in frame.counters] == [(r.key, r.current) for r in whole]
+    for mine, theirs in zip(frame.counters, whole):
+        assert model.spark_text(mine.values, width, mine.top) == model.spark_text(theirs.values, width, theirs.top)
+        assert len(mine.values) < len(theirs.values) or not theirs.values
+    assert any(float(r.current) > 0 for r in frame.counters if r.key == "gen_tps")

@@ -166,6 +166,11 @@ def counter_rows(window: Sequence[ScrapedSample]) -> tuple[CounterRow, ...]:
 
 
 SPARK_BARS = "▁▂▃▄▅▆▇█"
+# The samples a frame's counters are read from: the counters panel is 58 cells wide (top.tcss),
+# so a sparkline has at most 20 bars, and a rate one sample more. The window holds 60 (a saved
+# bundle gets them all); reading each counter out of all of them every refresh was a third of
+# building a frame.
+SPARK_SAMPLES = 32
 
 
 def spark_text(values: Sequence[float], width: int, top: float = 1.0) -> str:
@@ -315,7 +320,7 @@ def build_frame(
     return Frame(
         target=target or describe_target(manifest),
         verdict=verdict,
-        counters=counter_rows(window),
+        counters=counter_rows(window[-SPARK_SAMPLES:]),
         processes=procs,
         threads=threads,
         stacks=stacks,
