@@ -314,3 +314,77 @@ def test_scraper_is_safe_from_threads_side_by_side(serve) -> None:
             t.join(timeout=10)
         out.append(s.health(srv.url))
     assert out[:8] == [METRICS] * 8 and out[8] == (200, None)
+
+
+def _restricting(page: str, status: str = "200 OK", restricted: bytes | None = None) -> Callable[[socket.socket, bytes], None]:
+    """A server that answers GET /metrics with `page` and GET /metrics/?name[]=... with `restricted`
+    (by default the lines of `page` whose series the query names, as prometheus_client's
+    restricted registry does) and `status`."""
+    from urllib.parse import parse_qs, unquote, urlsplit
+
+    def answer(conn: socket.socket, req: bytes) -> None:
+        target = req.split(b" ", 2)[1].decode()
+        parts = urlsplit(target)
+        if parts.path == "/metrics":
+            conn.sendall(_response("200 OK", page.encode(), {"Content-Type": "text/plain"}))
+            return
+        names = set(parse_qs(parts.query).get("name[]", []))
+        body = restricted if restricted is not None else "".join(
+            line + "\n" for line in page.splitlines() if line.split("{")[0].split(" ")[0] in names).encode()
+        assert unquote(parts.path) == "/metrics/"
+        conn.sendall(_response(status, body, {"Content-Type": "text/plain"}))
+    return answer
+
+
+PAGE = ("vllm:num_requests_running 2.0\nvllm:num_requests_waiting 0.0\n"
+        "vllm:e2e_request_latency_seconds_bucket{le=\"1.0\"} 7.0\nvllm:generation_tokens_total 1234.0\n")
+
+
+def test_a_scraper_with_series_asks_for_them_and_keeps_to_the_restricted_page(serve) -> None:
+    srv = serve(_restricting(PAGE))
+    s = scrape.Scraper(2.0, series=("vllm:num_requests_running", "vllm:generation_tokens_total"))
+    url = f"{srv.url}/metrics"
+    first, second = s.metrics(url), s.metrics(url)
+    assert first.ok and first.text == "vllm:num_requests_running 2.0\nvllm:generation_tokens_total 1234.0\n"
+    assert second.text == first.text and s.restricted == {url: True}
+    asked = [r.decode().split(" ")[1] for r in srv.requests]
+    assert [srv.url + a for a in asked] == [scrape.restricted_url(url, s.series)] * 2
+    assert asked[0] == "/metrics/?name%5B%5D=vllm%3Anum_requests_running&name%5B%5D=vllm%3Ageneration_tokens_total"
+    assert "?" in first.url  # the scrape says what was asked for: a bundle shows it was restricted
+
+
+@pytest.mark.parametrize("status, body", [
+    ("404 Not Found", b"not found"),  # a server with no such route
+    ("200 OK", b"<html>a proxy's page</html>"),  # a page with no vLLM series
+    ("200 OK", b""),  # an older vLLM: none of the series asked for
+])
+def test_a_restricted_page_that_does_not_serve_means_the_whole_page_for_the_session(serve, status, body) -> None:
+    srv = serve(_restricting(PAGE, status, body))
+    s = scrape.Scraper(2.0, series=("vllm:num_requests_running",))
+    url = f"{srv.url}/metrics"
+    first = s.metrics(url)
+    assert first.ok and first.text == PAGE  # this scrape too: within the same call
+    assert s.restricted == {url: False}
+    assert s.metrics(url).text == PAGE
+    asked = [r.decode().split(" ")[1] for r in srv.requests]
+    assert asked[0].startswith("/metrics/?") and asked[1:] == ["/metrics", "/metrics"]  # asked once, then never again
+
+
+def test_a_scrape_with_no_answer_decides_nothing(serve) -> None:
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    s = scrape.Scraper(0.5, series=("vllm:num_requests_running",))
+    url = f"http://127.0.0.1:{port}/metrics"
+    got = s.metrics(url)
+    assert not got.ok and got.status is None and got.error.startswith("unreachable")
+    assert s.restricted == {}  # the next scrape asks for the restricted page again
+    srv = serve(_restricting(PAGE))
+    assert s.metrics(f"{srv.url}/metrics").text == "vllm:num_requests_running 2.0\n"
+
+
+def test_a_scraper_without_series_scrapes_the_whole_page(serve) -> None:
+    srv = serve(_restricting(PAGE))
+    s = scrape.Scraper(2.0)
+    assert s.metrics(f"{srv.url}/metrics").text == PAGE and s.restricted == {}
+    assert [r.decode().split(" ")[1] for r in srv.requests] == ["/metrics"]

@@ -15,6 +15,27 @@ HEARTBEAT_STEP_AGE = "wedge_engine:last_step_age_seconds"
 HEARTBEAT_MODEL_STEP_AGE = "wedge_engine:last_model_step_age_seconds"
 
 
+# Every series a MetricsSnapshot reads (its named values below): a scrape restricted to these
+# (collect.scrape.Scraper's `series`, top's) gives the same verdicts and the same view as the
+# whole page, at a twentieth of its size on vLLM 0.32 (2.3 KB against 50 KB, most of it
+# histogram buckets no rule reads).
+JUDGED_SERIES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_waiting_by_reason",
+    "vllm:kv_cache_usage_perc",
+    "vllm:generation_tokens_total",
+    "vllm:prompt_tokens_total",
+    "vllm:num_preemptions_total",
+    "vllm:request_success_total",
+    "vllm:iteration_tokens_total_count",
+    HEARTBEAT_STEPS,
+    HEARTBEAT_MODEL_STEPS,
+    HEARTBEAT_STEP_AGE,
+    HEARTBEAT_MODEL_STEP_AGE,
+)
+
+
 class MetricsParseError(ValueError):
     """The text is not Prometheus exposition format."""
 

@@ -45,6 +45,42 @@ def test_metrics_expose_the_generation_counter(vllm_server: Server) -> None:
     assert "vllm:num_requests_running" in text
 
 
+def test_a_real_server_answers_the_restricted_page_top_scrapes(vllm_server: Server) -> None:
+    """top asks vLLM for JUDGED_SERIES alone (/metrics/?name[]=...): vLLM 0.32 serves that page,
+    with every series a snapshot reads, at a fraction of the whole page; once the server is
+    idle, both pages give the same values."""
+    from wedgectl.collect.scrape import Scraper, restricted_url
+    from wedgectl.metrics import JUDGED_SERIES, parse_metrics
+    from wedgectl.tui.source import LiveSource
+
+    httpx.post(f"{vllm_server.url}/v1/completions", json=COMPLETION, timeout=60)
+    url = f"{vllm_server.url}/metrics"
+    scraper = Scraper(5.0, series=JUDGED_SERIES)
+    restricted = scraper.metrics(url)
+    whole = Scraper(5.0).metrics(url)
+    assert restricted.ok and scraper.restricted == {url: True}
+    assert restricted.url.endswith(restricted_url(url, JUDGED_SERIES).split("/metrics", 1)[1])
+    assert len(restricted.text) * 5 < len(whole.text)
+    names = {line.split("{")[0].split(" ")[0] for line in restricted.text.splitlines() if line and line[0] != "#"}
+    assert names <= set(JUDGED_SERIES) and "vllm:generation_tokens_total" in names
+    fields = ("running", "waiting", "kv_usage", "generation_tokens", "prompt_tokens", "requests_finished", "iterations")
+
+    def values(text: str) -> dict[str, float | None]:
+        snap = parse_metrics(text)
+        return {f: getattr(snap, f) for f in fields}
+
+    # The engine publishes its stats a moment after the reply: scrape both until nothing moves
+    # between them (bounded), then compare.
+    deadline = time.monotonic() + 30
+    while values(restricted.text) != values(whole.text) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        restricted, whole = scraper.metrics(url), Scraper(5.0).metrics(url)
+    assert values(restricted.text) == values(whole.text)
+    assert values(restricted.text)["generation_tokens"] >= 16
+    # top's source scrapes that way
+    assert LiveSource.connect(pid=vllm_server.pid).scraper.series == JUDGED_SERIES
+
+
 def test_stop_server_tears_the_whole_tree_down(
     vllm_python: Path, tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import socket
 import time
-from urllib.parse import urlsplit, urlunsplit
+from collections.abc import Sequence
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
 from wedgectl.redact import redact_url
 from wedgectl.types import FailureKind, MetricsScrape
@@ -40,6 +41,23 @@ def metrics_url_for(base: str) -> str:
     if path.rstrip("/").endswith("/metrics"):
         return urlunsplit((scheme, netloc, path.rstrip("/"), "", ""))
     return urlunsplit((scheme, netloc, "/metrics", "", ""))
+
+
+def restricted_url(metrics_url: str, series: Sequence[str]) -> str:
+    """The exposition at `metrics_url` restricted to `series`: prometheus_client's `name[]` query,
+    which its exposition app answers with those series alone (its registry's
+    restricted_registry). vLLM 0.32 routes the exact path /metrics to its instrumentator's
+    handler, which ignores the query, and /metrics/ (the path with a slash) to prometheus_client's
+    app, which honours it: the slash is what reaches it."""
+    parts = urlsplit(metrics_url)
+    return urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/") + "/",
+                       urlencode([("name[]", name) for name in series]), ""))
+
+
+def _serves_series(scrape: MetricsScrape) -> bool:
+    """A 200 whose text has a vLLM series line: the restricted page answered as asked. An older
+    vLLM without these series answers an empty page; a proxy, a page of its own."""
+    return scrape.ok and "\nvllm:" in "\n" + (scrape.text or "")
 
 
 def health_url_for(base: str) -> str:
@@ -366,11 +384,34 @@ class Scraper:
     thread-safe: the sampler's scrape and health check go side by side. The TLS context, the
     only costly part of a client, is built once per process and only for an https target."""
 
-    def __init__(self, timeout: float = 2.0) -> None:
+    def __init__(self, timeout: float = 2.0, series: Sequence[str] | None = None) -> None:
         self.timeout = timeout
+        self.series = tuple(series) if series else None
+        # Per metrics URL, whether its restricted page answers as asked (absent: not known yet).
+        self.restricted: dict[str, bool] = {}
+        self._asked: dict[str, str] = {}  # metrics URL -> its restricted URL, built once
 
     def metrics(self, url: str, timeout: float | None = None) -> MetricsScrape:
-        return scrape_metrics(url, self.timeout if timeout is None else timeout)
+        """One scrape of url; with `series`, of those series alone (restricted_url), where the
+        server answers that. The first definite answer decides for the session: a restricted
+        page that is not a 200 with vLLM series in it means the whole page, for this scrape too
+        (within what is left of the timeout) and every later one. A scrape that got no answer at
+        all (a timeout, a refused connection) decides nothing and is returned as it failed."""
+        timeout = self.timeout if timeout is None else timeout
+        if self.series is None or self.restricted.get(url) is False:
+            return scrape_metrics(url, timeout)
+        start = time.monotonic()
+        asked = self._asked.get(url)
+        if asked is None:
+            asked = self._asked[url] = restricted_url(url, self.series)
+        got = scrape_metrics(asked, timeout)
+        if self.restricted.get(url) or got.status is None:
+            return got
+        if _serves_series(got):
+            self.restricted[url] = True
+            return got
+        self.restricted[url] = False
+        return scrape_metrics(url, max(0.1, timeout - (time.monotonic() - start)))
 
     def health(self, base_url: str, timeout: float | None = None) -> tuple[int | None, str | None]:
         return probe_health(base_url, self.timeout if timeout is None else timeout)

@@ -25,6 +25,7 @@ from wedgectl.classify import classify
 from wedgectl.collect import processes
 from wedgectl.discover import Deployment, base_url_from_listening, discover
 from wedgectl.errors import WedgectlError
+from wedgectl.metrics import JUDGED_SERIES
 from wedgectl.redact import redact_text, redact_url
 from wedgectl.collect.scrape import Scraper
 from wedgectl.sampler import SamplerOptions, TreeCache, take_sample
@@ -52,7 +53,10 @@ class LiveSource:
         self.pid = pid
         self.url = url
         self.options = options
-        self.scraper = Scraper(options.scrape_timeout_s)  # one for the session (it holds no connection between scrapes)
+        # One for the session (it holds no connection between scrapes), asking for the series the
+        # verdict and the view read: a twentieth of vLLM's page, for the server to write and for
+        # top to parse every refresh. A saved bundle holds those series.
+        self.scraper = Scraper(options.scrape_timeout_s, series=JUDGED_SERIES)
         self.tree = TreeCache()  # the process tree walked every few seconds, not every refresh
         self._manifest = Manifest(
             created=time.time(),

@@ -14,7 +14,7 @@ from wedgectl.collect import processes, procfs, procread
 from wedgectl.collect.scrape import Scraper
 from wedgectl.discover import Deployment, discover, tree_roles
 from wedgectl.errors import WedgectlError
-from wedgectl.metrics import MetricsParseError, parse_metrics
+from wedgectl.metrics import JUDGED_SERIES, MetricsParseError, parse_metrics
 from wedgectl.sampler import SamplerOptions, take_sample
 from wedgectl.sources import host_facts, read_log_lines
 from wedgectl.tui.source import find_servers
@@ -104,7 +104,10 @@ class Watched:
         self._log: tuple[str, ...] = ()
         self._log_read = 0.0
         self._roles_read = time.monotonic()  # discover() just walked the tree
-        self._scraper = Scraper()  # one scraper for every look at this target, cheap or full
+        self._scraper = Scraper()  # a full look's: the whole page, as a bundle keeps it
+        # A cheap tick's, all day: the series the verdicts read (metrics.JUDGED_SERIES), a
+        # twentieth of vLLM's page for the server to write and for the watcher to parse.
+        self._cheap = Scraper(series=JUDGED_SERIES)
         if deployment.api_pid is not None:
             try:
                 self.model = served_model(procread.read_cmdline(deployment.api_pid))
@@ -173,7 +176,7 @@ class Watched:
                 continue
             procs.append(ProcessSample(pid=pid, ppid=stat.ppid, role=role, name=stat.comm, state=stat.state,
                                        cpu_user_s=stat.utime_s, cpu_system_s=stat.stime_s, num_threads=stat.num_threads))
-        metrics = self._scraper.metrics(d.metrics_url, options.scrape_timeout_s) if d.metrics_url else None
+        metrics = self._cheap.metrics(d.metrics_url, options.scrape_timeout_s) if d.metrics_url else None
         if metrics is not None and not metrics.ok:
             failures.append(CollectorFailure("metrics", FailureKind.UNREACHABLE, metrics.error or f"HTTP {metrics.status}",
                                              d.metrics_url or ""))
@@ -181,6 +184,7 @@ class Watched:
 
     def close(self) -> None:
         self._scraper.close()
+        self._cheap.close()
 
     def _rediscover(self) -> None:
         try:
