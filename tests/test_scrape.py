@@ -348,7 +348,9 @@ def test_a_scraper_with_series_asks_for_them_and_keeps_to_the_restricted_page(se
     assert first.ok and first.text == "vllm:num_requests_running 2.0\nvllm:generation_tokens_total 1234.0\n"
     assert second.text == first.text and s.restricted == {url: True}
     asked = [r.decode().split(" ")[1] for r in srv.requests]
-    assert [srv.url + a for a in asked] == [scrape.restricted_url(url, s.series)] * 2
+    restricted = scrape.restricted_url(url, s.series)
+    # the first restricted page is checked against the whole page once; then restricted alone
+    assert [srv.url + a for a in asked] == [restricted, url, restricted]
     assert asked[0] == "/metrics/?name%5B%5D=vllm%3Anum_requests_running&name%5B%5D=vllm%3Ageneration_tokens_total"
     assert "?" in first.url  # the scrape says what was asked for: a bundle shows it was restricted
 
@@ -388,3 +390,39 @@ def test_a_scraper_without_series_scrapes_the_whole_page(serve) -> None:
     s = scrape.Scraper(2.0)
     assert s.metrics(f"{srv.url}/metrics").text == PAGE and s.restricted == {}
     assert [r.decode().split(" ")[1] for r in srv.requests] == ["/metrics"]
+
+
+def test_a_restricted_page_that_leaves_out_a_judged_series_means_the_whole_page(serve) -> None:
+    """prometheus_client's restricted registry leaves out a collector that names nothing up front
+    (the engine plugin's heartbeat, on vLLM 0.32): the whole page holds that series, so it wins."""
+    with_heartbeat = PAGE + "wedge_engine:steps_total 42.0\n"
+    srv = serve(_restricting(with_heartbeat, restricted=b"vllm:num_requests_running 2.0\n"))
+    s = scrape.Scraper(2.0, series=("vllm:num_requests_running", "wedge_engine:steps_total"))
+    url = f"{srv.url}/metrics"
+    first = s.metrics(url)
+    assert first.text == with_heartbeat and s.restricted == {url: False}
+    assert s.metrics(url).text == with_heartbeat
+    assert [r.decode().split(" ")[1].split("?")[0] for r in srv.requests] == ["/metrics/", "/metrics", "/metrics"]
+
+
+def test_the_whole_page_is_taken_now_and_then_and_a_series_that_appeared_switches_to_it(serve, monkeypatch) -> None:
+    monkeypatch.setattr(scrape, "VERIFY_EVERY", 3)
+    state = {"page": PAGE}
+    restricted = b"vllm:num_requests_running 2.0\n"
+
+    def answer(conn: socket.socket, req: bytes) -> None:
+        whole = req.split(b" ", 2)[1] == b"/metrics"
+        body = state["page"].encode() if whole else restricted
+        conn.sendall(_response("200 OK", body, {"Content-Type": "text/plain"}))
+
+    srv = serve(answer)
+    s = scrape.Scraper(2.0, series=("vllm:num_requests_running", "wedge_engine:steps_total"))
+    url = f"{srv.url}/metrics"
+    texts = [s.metrics(url).text for _ in range(5)]  # first (checked), 3 restricted, then a whole page
+    assert texts == [restricted.decode()] * 4 + [PAGE] and s.restricted == {url: True}
+    state["page"] = PAGE + "wedge_engine:steps_total 1.0\n"  # the heartbeat appears (the engine is up now)
+    texts = [s.metrics(url).text for _ in range(4)]
+    assert texts == [restricted.decode()] * 3 + [state["page"]] and s.restricted == {url: False}
+    assert s.metrics(url).text == state["page"]
+    paths = [r.decode().split(" ")[1].split("?")[0] for r in srv.requests]
+    assert paths == ["/metrics/", "/metrics"] + ["/metrics/"] * 3 + ["/metrics"] + ["/metrics/"] * 3 + ["/metrics"] * 2

@@ -9,7 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from wedgectl.metrics import parse_metrics
+from wedgectl.collect.scrape import Scraper
+from wedgectl.metrics import JUDGED_SERIES, parse_metrics
 from wedgectl.lifecycle import log_tail
 from wedgectl.patched import run_patched
 from wedgectl.plugin import ensure_engine_plugin
@@ -56,8 +57,16 @@ def test_healthy_output_unchanged_by_the_plugin(vllm_python: Path, tiny_model: P
     with running_server(patched_spec, vllm_python, tmp_path / "patched.log") as patched:
         got = _completions(patched.url)
         metrics = parse_metrics(httpx.get(f"{patched.url}/metrics").text)
+        # top and a watcher's cheap ticks ask for the judged series alone; the heartbeat must come
+        # with them (vLLM 0.32's restricted page leaves out the plugin's collector, which names
+        # nothing up front: the scraper finds that out and takes the whole page)
+        restricted = Scraper(10.0, series=JUDGED_SERIES).metrics(f"{patched.url}/metrics")
     assert got == want
     assert metrics.has_heartbeat and metrics.heartbeat_model_steps >= 4 * 32 - 4
+    lean = parse_metrics(restricted.text)
+    assert restricted.ok and lean.has_heartbeat
+    assert lean.heartbeat_model_steps >= metrics.heartbeat_model_steps >= 4 * 32 - 4
+    assert lean.heartbeat_model_step_age is not None and lean.heartbeat_step_age is not None
 
 
 def test_scheduler_guard_fails_the_wedging_request_on_first_refusal(vllm_python: Path, tiny_model: Path,

@@ -54,6 +54,11 @@ def restricted_url(metrics_url: str, series: Sequence[str]) -> str:
                        urlencode([("name[]", name) for name in series]), ""))
 
 
+def series_names(text: str | None) -> set[str]:
+    """The series named in an exposition text (each sample line's name)."""
+    return {line.split("{", 1)[0].split(" ", 1)[0] for line in (text or "").splitlines() if line and line[0] != "#"}
+
+
 def _serves_series(scrape: MetricsScrape) -> bool:
     """A 200 whose text has a vLLM series line: the restricted page answered as asked. An older
     vLLM without these series answers an empty page; a proxy, a page of its own."""
@@ -377,6 +382,9 @@ def probe_health(base_url: str, timeout: float = 2.0) -> tuple[int | None, str |
             sock.close()
 
 
+VERIFY_EVERY = 60  # restricted scrapes between two whole pages (a minute at top's 1 s refresh)
+
+
 class Scraper:
     """What a whole run (a diagnose, a `top` session, a watcher's target) scrapes with.
 
@@ -390,28 +398,64 @@ class Scraper:
         # Per metrics URL, whether its restricted page answers as asked (absent: not known yet).
         self.restricted: dict[str, bool] = {}
         self._asked: dict[str, str] = {}  # metrics URL -> its restricted URL, built once
+        self._names: dict[str, set[str]] = {}  # metrics URL -> the series its last restricted page held
+        self._scrapes: dict[str, int] = {}  # metrics URL -> restricted scrapes since the last whole page
 
     def metrics(self, url: str, timeout: float | None = None) -> MetricsScrape:
         """One scrape of url; with `series`, of those series alone (restricted_url), where the
         server answers that. The first definite answer decides for the session: a restricted
-        page that is not a 200 with vLLM series in it means the whole page, for this scrape too
-        (within what is left of the timeout) and every later one. A scrape that got no answer at
+        page that is not a 200 with vLLM series in it, or one that leaves out a judged series
+        the whole page (scraped once beside it) holds, means the whole page, for this scrape too
+        (within what is left of the timeout) and every later one. Every VERIFY_EVERY scrapes the
+        whole page is taken instead, and checked the same way. A scrape that got no answer at
         all (a timeout, a refused connection) decides nothing and is returned as it failed."""
         timeout = self.timeout if timeout is None else timeout
         if self.series is None or self.restricted.get(url) is False:
             return scrape_metrics(url, timeout)
+        if self.restricted.get(url) and self._scrapes.get(url, 0) >= VERIFY_EVERY:
+            # Now and then the whole page, as this scrape: a series the restricted page leaves out
+            # (one that appeared since, from a collector the server's registry does not index by
+            # name) means the whole page from then on.
+            got = scrape_metrics(url, timeout)
+            if got.ok:
+                self._scrapes[url] = 0
+                if self._left_out(url, got):
+                    self.restricted[url] = False
+            return got
         start = time.monotonic()
         asked = self._asked.get(url)
         if asked is None:
             asked = self._asked[url] = restricted_url(url, self.series)
         got = scrape_metrics(asked, timeout)
-        if self.restricted.get(url) or got.status is None:
+        if got.status is None:
             return got
-        if _serves_series(got):
-            self.restricted[url] = True
+        if self.restricted.get(url):
+            self._scrapes[url] = self._scrapes.get(url, 0) + 1
+            if got.ok:
+                self._names[url] = series_names(got.text)
             return got
-        self.restricted[url] = False
-        return scrape_metrics(url, max(0.1, timeout - (time.monotonic() - start)))
+        left = lambda: max(0.1, timeout - (time.monotonic() - start))  # noqa: E731 - what is left of the timeout
+        if not _serves_series(got):
+            self.restricted[url] = False
+            return scrape_metrics(url, left())
+        # The first restricted page: checked against the whole page once. prometheus_client's
+        # restricted registry collects only collectors it indexes by name, so a collector that
+        # names nothing up front (a plugin's) is left out of it: the whole page then.
+        whole = scrape_metrics(url, left())
+        if not whole.ok:
+            return got  # nothing decided: checked again at the next scrape
+        self._names[url] = series_names(got.text)
+        if self._left_out(url, whole):
+            self.restricted[url] = False
+            return whole
+        self.restricted[url] = True
+        self._scrapes[url] = 0
+        return got
+
+    def _left_out(self, url: str, whole: MetricsScrape) -> bool:
+        """Whether the whole page holds a judged series the last restricted page did not."""
+        assert self.series is not None
+        return bool((series_names(whole.text) & set(self.series)) - self._names.get(url, set()))
 
     def health(self, base_url: str, timeout: float | None = None) -> tuple[int | None, str | None]:
         return probe_health(base_url, self.timeout if timeout is None else timeout)
