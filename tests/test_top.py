@@ -373,7 +373,9 @@ async def test_a_failed_swap_is_shown_and_top_keeps_watching(monkeypatch):
 @pytest.mark.asyncio
 async def test_a_row_is_drawn_as_rich_would_draw_it_joined_into_one_text():
     """RowTable._line builds each row's segments itself (Rich's Text.render of the joined row cost
-    ~0.4 ms a row): the cells, their padding, alignment and styles must come out as that render's."""
+    ~0.4 ms a row): the cells, their padding and alignment must come out as that render's, and every
+    character that shows (not a space) in the style Rich gives it. A row of str cells is one segment
+    in the row's style: the compositor's work on a line goes segment by segment."""
     from rich.text import Text
     from textual.app import App
 
@@ -381,31 +383,39 @@ async def test_a_row_is_drawn_as_rich_would_draw_it_joined_into_one_text():
         def compose(self):
             yield ThreadTable(id="t")
 
-    def joined(table, cells) -> Text:  # the row as it was drawn before: one Text, rendered by Rich
+    def joined(table, cells) -> Text:  # the row as Rich would draw it: one Text, rendered
         line = Text(" ")
         for i, (cell, width) in enumerate(zip(cells, table._widths)):
-            pad = " " * (width - cell.cell_len)
-            line.append_text(Text(pad) + cell if i in table.RIGHT else cell + Text(pad))
+            pad = Text(" " * (width - cell.cell_len))
+            line.append_text(pad + cell if i in table.RIGHT else cell + pad)
             line.append(" " * table.GAP)
         return line
 
-    def styled(segments) -> list[tuple[str, str]]:  # each character with its style, as the terminal gets it
-        return [(ch, str(s.style or "")) for s in segments for ch in s.text]
+    def styled(segments) -> list[tuple[str, str]]:  # each character that shows, with its style
+        return [(ch, str(s.style or "")) for s in segments for ch in s.text if ch != " "]
 
     app = One()
     async with app.run_test(size=(100, 10)):
         table = app.query_one(ThreadTable)
         spans = Text.assemble(("fu", "bold"), "tex", style="cyan")  # a cell with spans under its own style
-        rows = [("7", (Text("7", style="bold yellow"), Text("python"), Text(""), Text("97", style="bold yellow"),
-                       spans, Text("futex"), Text("0x7f"), Text("x2")))]
-        table.set_rows([(k, cells) for k, cells in rows], None)
-        cells = table.get_row_at(0)
-        ours = table._line(cells, None)
-        theirs = list(joined(table, cells).render(app.console))
-        assert ours.text == "".join(s.text for s in theirs)
-        assert ours.text.startswith(" " + " " * (len("TID") - 1) + "7  python")  # TID right-aligned
-        assert styled(ours) == styled(theirs)
-        assert ("f", "bold cyan") in styled(ours) and ("t", "cyan") in styled(ours)
+        table.set_rows([
+            ("7", ("7", "python", "", "97", spans, "futex", "0x7f", "x2"), "bold yellow"),
+            ("8", ("8", "python-long", "S", "3", "ep_poll", "epoll_wait", "", "")),
+            ("9", ("9", "py", "R", "100", Text("own", style="magenta"), "", "", "")),
+        ], None)
+        for row in range(3):
+            cells = table.get_row_at(row)
+            ours = table._line(*table._rows[row], None)
+            theirs = list(joined(table, cells).render(app.console))
+            assert ours.text == "".join(s.text for s in theirs)
+            assert styled(ours) == styled(theirs)
+        assert table._line(*table._rows[0], None).text.startswith(" " + " " * (len("TID") - 1) + "7  python")
+        first, second, third = (list(table._line(*table._rows[i], None)) for i in range(3))
+        assert ("f", "bold cyan") in styled(first) and ("t", "cyan") in styled(first)
+        assert ("9", "bold yellow") in styled(first) and ("x", "bold yellow") in styled(first)
+        assert len(second) == 1 and second[0].style is None  # str cells, no row style: one plain segment
+        assert [str(s.style or "") for s in third] == ["", "magenta", ""]  # a Text cell of its own style splits it
+        assert table.get_row_at(0)[1].style == "bold yellow"  # a str cell reads back in its row's style
 
 
 @pytest.mark.asyncio
@@ -429,7 +439,8 @@ async def test_a_refresh_draws_only_the_rows_that_changed(monkeypatch):
         drawn: list[tuple] = []
         lines: list[int] = []
         real, real_line = widgets.RowTable._line, widgets.RowTable.render_line
-        monkeypatch.setattr(widgets.RowTable, "_line", lambda self, cells, style: drawn.append(cells) or real(self, cells, style))
+        monkeypatch.setattr(widgets.RowTable, "_line",
+                            lambda self, cells, row_style, style: drawn.append(cells) or real(self, cells, row_style, style))
         monkeypatch.setattr(widgets.RowTable, "render_line", lambda self, y: lines.append(y) or real_line(self, y))
         changed = list(rows)
         changed[5] = ("105", (105, "python", "R", "97", "", "running", "", ""))
@@ -448,6 +459,63 @@ async def test_a_refresh_draws_only_the_rows_that_changed(monkeypatch):
         table.set_rows(wider, None)  # a column grew: every line moves, the header too
         await pilot.pause(0.1)
         assert 0 in lines and len(lines) >= 21
+
+
+@pytest.mark.asyncio
+async def test_the_banner_and_status_line_draw_changed_lines_in_the_style_their_class_gives(monkeypatch):
+    """VerdictBanner and StatusLine draw their lines through the line API (a Static laid out its
+    whole content again every refresh): a line too long for the box ends in an ellipsis, a new
+    verdict that moves one line draws that line alone, and the base style they keep follows a class
+    change (the banner's colour when the verdict turns to a hang, the status line's when the target
+    stops answering)."""
+    from textual.app import App
+
+    from wedgectl.tui import widgets
+    from wedgectl.types import Verdict, VerdictKind
+
+    class Two(App):
+        CSS = """
+        VerdictBanner { height: 2; background: green; }
+        VerdictBanner.-hang { background: red; }
+        StatusLine { height: 1; color: white; }
+        StatusLine.-unreachable { color: red; text-style: bold; }
+        """
+
+        def compose(self):
+            yield VerdictBanner(id="b")
+            yield StatusLine(id="s")
+
+    def verdict(kind, summary):
+        return Verdict(verdict=kind, confidence=0.9, rule="r", summary=summary)
+
+    app = Two()
+    async with app.run_test(size=(60, 5)) as pilot:
+        banner, status = app.query_one(VerdictBanner), app.query_one(StatusLine)
+        banner.verdict = verdict(VerdictKind.PROGRESSING, "12.5 tok/s")
+        status.status = ("pid 1 | 3 samples " + "x" * 80, True)
+        await pilot.pause(0.1)
+        assert text_of(banner) == "VERDICT  progressing  (confidence 0.90)  rule r\n12.5 tok/s"
+        line = status.render_line(0)
+        assert line.cell_length == 60 and line.text.endswith("…") and line.text.startswith("pid 1 | 3 samples")
+        green = banner.render_line(1)
+        assert {s.style.bgcolor for s in green if s.text.strip()} == {banner.rich_style.bgcolor}
+
+        drawn: list[int] = []
+        real = widgets.FixedLines.render_line
+        monkeypatch.setattr(widgets.FixedLines, "render_line", lambda self, y: drawn.append((self.id, y)) or real(self, y))
+        banner.verdict = verdict(VerdictKind.PROGRESSING, "13.0 tok/s")  # the head line says the same
+        await pilot.pause(0.1)
+        assert drawn == [("b", 1)] and banner.render_line(1).text.startswith("13.0 tok/s")
+
+        banner.verdict = verdict(VerdictKind.ENGINE_DEADLOCK, "stopped stepping")
+        status.status = ("pid 1 | not answering", False)
+        await pilot.pause(0.1)
+        red = banner.render_line(1)
+        assert banner.has_class("-hang") and red.text.startswith("stopped stepping")
+        assert {s.style.bgcolor for s in red if s.text.strip()} == {banner.rich_style.bgcolor} != {s.style.bgcolor for s in green if s.text.strip()}
+        bold = status.render_line(0)
+        assert bold.text.startswith("pid 1 | not answering")
+        assert all(s.style.bold and s.style.color == status.rich_style.color for s in bold if s.text.strip())
 
 
 @pytest.mark.asyncio

@@ -1,6 +1,6 @@
 """The widgets of `wedgectl top`: each holds one value and redraws in its watch_ method.
 
-The values are `var`s: the watcher redraws what changed (Static.update, RowTable.set_rows, TextPane.show),
+The values are `var`s: the watcher redraws what changed (FixedLines.set_lines, RowTable.set_rows, TextPane.show),
 where a `reactive` would repaint the widget (a container: everything in it) once more."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from rich.cells import cell_len
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
@@ -19,7 +20,6 @@ from textual.reactive import reactive, var
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 from textual.widget import Widget
-from textual.widgets import Static
 
 from wedgectl.tui.model import CounterRow, ProcessRow, ThreadRow, spark_text
 from wedgectl.types import Verdict, VerdictKind
@@ -31,7 +31,78 @@ HANG_KINDS = {
 FUTEX_COLOURS = ("yellow", "magenta", "cyan", "green", "bright_red", "bright_blue")
 
 
-class VerdictBanner(Static):
+class BaseStyled(Widget):
+    """A line-API widget's base style (its colours and text style from the stylesheet), kept.
+
+    Widget.rich_style walks the widget's ancestors and adds up their backgrounds each time it is
+    read; a render_line reads it for every line it draws, ~11 % of a frame's drawing. It changes
+    only when the stylesheet is applied to the widget again (a class, a pseudo-class, the
+    theme), which Textual says with notify_style_update, as it does for its own style caches."""
+
+    _base_style: Style | None = None
+
+    @property
+    def base_style(self) -> Style:
+        if self._base_style is None:
+            self._base_style = self.rich_style
+        return self._base_style
+
+    def notify_style_update(self) -> None:
+        self._base_style = None
+        super().notify_style_update()
+
+
+class FixedLines(BaseStyled):
+    """A few lines of text in a box of fixed height, drawn through the line API.
+
+    A Static parses, wraps and styles its whole content again on every update; the banner and the
+    status line change every refresh (a rate, the last sample's time), and each was a Static
+    drawn through Textual's content pipeline again each second (~0.5 ms the banner). Here each
+    line is one cached Strip in the widget's style, a line longer than the width ends in an
+    ellipsis, and an update marks dirty only the lines whose text changed."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lines: tuple[Text, ...] = ()
+        self._strips: dict[tuple[int, int, Style], Strip] = {}  # (line, width, base style) -> strip
+
+    @property
+    def content(self) -> Text:
+        """The lines shown, joined."""
+        return Text("\n").join(self._lines)
+
+    def set_lines(self, lines: Sequence[Text | str]) -> None:
+        new = tuple(line if isinstance(line, Text) else Text(line) for line in lines)
+        old, self._lines = self._lines, new
+        if len(new) != len(old):
+            self._strips.clear()
+            self.refresh()
+            return
+        width = max(self.size.width, 1)
+        for y, (a, b) in enumerate(zip(new, old)):
+            if a != b or a.style != b.style:  # Text's == compares the text and its spans
+                self._strips = {k: v for k, v in self._strips.items() if k[0] != y}
+                self.refresh(Region(0, y, width, 1))
+
+    def render_line(self, y: int) -> Strip:
+        width, base = self.size.width, self.base_style
+        if y >= len(self._lines) or width <= 0:
+            return Strip.blank(width, base)
+        key = (y, width, base)
+        strip = self._strips.get(key)
+        if strip is None:
+            if len(self._strips) > 8 * max(1, len(self._lines)):
+                self._strips.clear()  # bounded: old widths and styles go
+            line = self._lines[y]
+            if line.cell_len > width:
+                line = line.copy()
+                line.truncate(width, overflow="ellipsis")
+            strip = Strip(line.render(self.app.console), line.cell_len).extend_cell_length(width).apply_style(base)
+            self._strips[key] = strip
+        return strip
+
+
+class VerdictBanner(FixedLines):
     """The live classifier's verdict, confidence and one-line reason."""
 
     verdict: reactive[Verdict | None] = var(None)
@@ -40,8 +111,7 @@ class VerdictBanner(Static):
 
     def watch_verdict(self, verdict: Verdict | None) -> None:
         # Each refresh brings a new Verdict (its facts move); a class change restyles the widget
-        # (a stylesheet pass) and an update repaints it, so both happen only when the text would
-        # change.
+        # (a stylesheet pass) and new lines draw it again, so both happen only when they change.
         if verdict is None:
             shown: tuple[str, ...] = ("-unsure",)
         else:
@@ -54,18 +124,18 @@ class VerdictBanner(Static):
             self.set_classes_of_verdict(shown[0])
         self._shown = shown
         if verdict is None:
-            self.update("VERDICT  (waiting for evidence)")
+            self.set_lines(["VERDICT  (waiting for evidence)"])
             return
         head = Text.assemble(("VERDICT  ", "bold"), (shown[1], "bold reverse"),
                              f"  (confidence {shown[2]})  rule {shown[3]}")
-        self.update(Text("\n").join([head, Text(shown[4])]), layout=False)  # fixed height
+        self.set_lines([head, Text(shown[4])])
 
     def set_classes_of_verdict(self, cls: str) -> None:
         for other in ("-healthy", "-hang", "-unsure"):
             self.set_class(other == cls, other)
 
 
-class StatusLine(Static):
+class StatusLine(FixedLines):
     """Target, freshness and what could not be reached."""
 
     status: reactive[tuple[str, bool]] = var(("", True))
@@ -73,10 +143,10 @@ class StatusLine(Static):
     def watch_status(self, status: tuple[str, bool]) -> None:
         text, reachable = status
         self.set_class(not reachable, "-unreachable")
-        self.update(text, layout=False)  # one fixed line
+        self.set_lines([text])
 
 
-class CounterPanel(Widget):
+class CounterPanel(BaseStyled):
     """The counters, one line each: name, a sparkline over the window (see model.spark_text) and
     the latest value. Lines appear as the counters do (the heartbeat's only when the engine has it).
 
@@ -118,7 +188,7 @@ class CounterPanel(Widget):
         self.watch_counters(self.counters)
 
     def render_line(self, y: int) -> Strip:
-        width, style = self.size.width, self.rich_style
+        width, style = self.size.width, self.base_style
         if y >= len(self.counters):
             return Strip.blank(width, style)
         # the text watch_counters made for this line, unless the width changed since
@@ -132,7 +202,16 @@ class CounterPanel(Widget):
         return strip
 
 
-class RowTable(ScrollView, can_focus=True):
+Cell = str | Text  # a str is drawn in its row's style; a Text in its own style and spans
+
+
+def _cell_len(cell: Cell) -> int:
+    if isinstance(cell, Text):
+        return cell.cell_len
+    return len(cell) if cell.isascii() else cell_len(cell)
+
+
+class RowTable(ScrollView, BaseStyled, can_focus=True):
     """A table fed whole rows each refresh, drawn a line at a time (Textual's line API).
 
     DataTable renders every visible cell again whenever any cell changes (one update bumps the
@@ -140,6 +219,11 @@ class RowTable(ScrollView, can_focus=True):
     most of top's drawing. Here each row is one Strip, cached by its cells: a refresh draws only
     the rows whose cells changed. The cursor stays on the same key across refreshes; moving it
     posts RowTable.Highlighted.
+
+    A row is its key, its cells and, optionally, a style for the whole row. A cell given as a str
+    stays one (no Rich Text is made for the rows off screen, most of a process's threads), and a
+    line whose cells are strs is one segment: every part of the compositor's work on a line
+    (styling, filters, cropping) goes segment by segment.
     """
 
     BINDINGS = [
@@ -165,7 +249,8 @@ class RowTable(ScrollView, can_focus=True):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._keys: list[str] = []
-        self._rows: list[tuple[Text, ...]] = []
+        self._rows: list[tuple[tuple[Cell, ...], str]] = []  # each row's cells and its style
+        self._drawn: list[tuple[object, ...]] = []  # what each row's line shows (its cells and style)
         self._widths: tuple[int, ...] = tuple(len(c) for c in self.COLUMNS)
         self._strips: dict[tuple[object, ...], Strip] = {}
         self.cursor_row = 0
@@ -177,7 +262,8 @@ class RowTable(ScrollView, can_focus=True):
         return len(self._rows)
 
     def get_row_at(self, index: int) -> tuple[Text, ...]:
-        return self._rows[index]
+        cells, style = self._rows[index]
+        return tuple(c if isinstance(c, Text) else Text(c, style=style) for c in cells)
 
     @property
     def cursor_key(self) -> str | None:
@@ -185,23 +271,29 @@ class RowTable(ScrollView, can_focus=True):
 
     # -- feeding it
 
-    def set_rows(self, rows: Sequence[tuple[str, Sequence[object]]], keep: str | None) -> None:
+    def set_rows(self, rows: Sequence[tuple[str, Sequence[object]] | tuple[str, Sequence[object], str]],
+                 keep: str | None) -> None:
+        """rows: (key, cells) or (key, cells, row style); a cell that is not a Text is drawn as str(cell)."""
         before = self.cursor_key
-        drawn = [self._strip_key(i) for i in range(len(self._rows))]
+        drawn = self._drawn
         scrolled, widths_drawn = self.scroll_offset, self._widths
-        self._keys = [k for k, _ in rows]
-        self._rows = [tuple(c if isinstance(c, Text) else Text(str(c)) for c in cells) for _, cells in rows]
+        self._keys = [r[0] for r in rows]
+        self._rows = [(tuple(c if isinstance(c, (str, Text)) else str(c) for c in r[1]), r[2] if len(r) > 2 else "")
+                      for r in rows]
         widths = [len(c) for c in self.COLUMNS]
-        for cells in self._rows:
-            for i, c in enumerate(cells[: len(widths)]):
-                widths[i] = max(widths[i], c.cell_len)
+        n = len(widths)
+        for cells, _ in self._rows:
+            for i, c in enumerate(cells[:n]):
+                w = _cell_len(c)
+                if w > widths[i]:
+                    widths[i] = w
         self._widths = tuple(widths)
         target = keep if keep in self._keys else before if before in self._keys else None
         self.cursor_row = self._keys.index(target) if target is not None else min(self.cursor_row, max(0, len(self._keys) - 1))
         self.virtual_size = Size(1 + sum(self._widths) + self.GAP * len(self._widths), len(self._rows) + 1)
-        keys = [self._strip_key(i) for i in range(len(self._rows))]
+        self._drawn = keys = [self._shown(i) for i in range(len(self._rows))]
         live = set(keys)
-        self._strips = {k: v for k, v in self._strips.items() if k in live}
+        self._strips = {k: v for k, v in self._strips.items() if k[0] in live}
         self._scroll_to_cursor()
         if len(keys) != len(drawn) or self.scroll_offset != scrolled or self._widths != widths_drawn:
             self.refresh()  # the header too
@@ -251,50 +343,64 @@ class RowTable(ScrollView, can_focus=True):
 
     # -- drawing
 
-    def _strip_key(self, index: int) -> tuple[object, ...]:
-        cells = tuple((c.plain, str(c.style)) for c in self._rows[index])
-        return (cells, self._widths, index == self.cursor_row and self.has_focus, index == self.cursor_row)
+    def _shown(self, index: int) -> tuple[object, ...]:
+        """What row `index`'s line shows, to compare and cache it by: a Text cell by its text, style and spans."""
+        cells, style = self._rows[index]
+        return (tuple(c if isinstance(c, str) else (c.plain, str(c.style), tuple(c.spans)) for c in cells), style)
 
-    def _line(self, cells: Sequence[Text], style: Style | None) -> Strip:
+    def _line(self, cells: Sequence[Cell], row_style: str, style: Style | None) -> Strip:
         """One row as segments: a margin (as a DataTable cell's padding), then each cell padded to
-        its column's width, GAP apart. A cell of one style is one segment; only a cell with spans
-        goes through Rich's Text.render (joining the row into one Text and rendering that cost
-        ~0.4 ms a row, most of a changed row's drawing)."""
+        its column's width, GAP apart. The margin, padding, gaps and str cells take the row's style
+        and run together into one segment; a Text cell is a segment of its own style, or Rich's
+        render of it when it has spans. (Joining the row into one Text and rendering that cost
+        ~0.4 ms a row, and gave a line of three segments a cell.)"""
         console = self.app.console
-        segments = [Segment(" ")]
-        add = segments.append
-        gap = Segment(" " * self.GAP)
+        base = console.get_style(row_style) if row_style else None
+        segments: list[Segment] = []
+        run = [" "]
+        gap = " " * self.GAP
+        right = self.RIGHT
         for i, (cell, width) in enumerate(zip(cells, self._widths)):
-            pad = Segment(" " * (width - cell.cell_len))
-            if i in self.RIGHT:
-                add(pad)
-            if cell.spans:
-                segments.extend(cell.render(console))  # the cell's own style under each span's
+            pad = " " * (width - _cell_len(cell))
+            if i in right:
+                run.append(pad)
+            if isinstance(cell, str):
+                run.append(cell)
             elif cell.plain:
-                add(Segment(cell.plain, console.get_style(cell.style) if cell.style else None))
-            if i not in self.RIGHT:
-                add(pad)
-            add(gap)
+                cell_style = console.get_style(cell.style) if cell.style else None
+                if cell.spans or cell_style != base:
+                    segments.append(Segment("".join(run), base))
+                    run = []
+                    if cell.spans:
+                        segments.extend(cell.render(console))  # the cell's own style under each span's
+                    else:
+                        segments.append(Segment(cell.plain, cell_style))
+                else:
+                    run.append(cell.plain)
+            if i not in right:
+                run.append(pad)
+            run.append(gap)
+        segments.append(Segment("".join(run), base))
         strip = Strip(segments)
         return strip.apply_style(style) if style is not None else strip
 
     def render_line(self, y: int) -> Strip:
         width = self.scrollable_content_region.width
         x = int(self.scroll_offset.x)
-        base = self.rich_style
+        base = self.base_style
         if y == 0:
-            header = self._line([Text(c, style="bold") for c in self.COLUMNS], None)
-            return header.crop_extend(x, x + width, base)
+            return self._line(self.COLUMNS, "bold", None).crop_extend(x, x + width, base)
         index = y - 1 + int(self.scroll_offset.y)
         if index >= len(self._rows):
             return Strip.blank(width, base)
-        key = self._strip_key(index)
+        key = (self._drawn[index], self._widths, index == self.cursor_row and self.has_focus, index == self.cursor_row)
         strip = self._strips.get(key)
         if strip is None:
             style = None
             if index == self.cursor_row:
                 style = Style(reverse=True) if self.has_focus else Style(bold=True, underline=True)
-            strip = self._strips[key] = self._line(self._rows[index], style)
+            cells, row_style = self._rows[index]
+            strip = self._strips[key] = self._line(cells, row_style, style)
         return strip.crop_extend(x, x + width, base)
 
 
@@ -327,16 +433,13 @@ class ThreadTable(RowTable):
         for t in rows:
             if t.sharing > 1 and t.futex not in colours:
                 colours[t.futex] = FUTEX_COLOURS[len(colours) % len(FUTEX_COLOURS)]
-        out = []
-        for t in rows:
-            style = f"bold {colours[t.futex]}" if t.futex in colours else ""
-            cells = (t.tid, t.comm, t.state, _pct(t.cpu_pct), t.wchan[:22], t.syscall,
-                     t.futex, f"x{t.sharing}" if t.sharing > 1 else "")
-            out.append((str(t.tid), tuple(Text(str(c), style=style) for c in cells)))
+        out = [(str(t.tid), (str(t.tid), t.comm, t.state, _pct(t.cpu_pct), t.wchan[:22], t.syscall,
+                             t.futex, f"x{t.sharing}" if t.sharing > 1 else ""),
+                f"bold {colours[t.futex]}" if t.futex in colours else "") for t in rows]
         self.set_rows(out, None if self.selected is None else str(self.selected))
 
 
-class TextPane(ScrollView, can_focus=True):
+class TextPane(ScrollView, BaseStyled, can_focus=True):
     """Text wrapped to the pane's width and drawn a line at a time (Textual's line API), scrolled
     within the pane: for text whose length changes from one refresh to the next (a stack, the
     evidence).
@@ -416,7 +519,7 @@ class TextPane(ScrollView, can_focus=True):
 
     def render_line(self, y: int) -> Strip:
         width = self.scrollable_content_region.width
-        base = self.rich_style
+        base = self.base_style
         index = y + int(self.scroll_offset.y)
         if index >= len(self._lines):
             return Strip.blank(width, base)
