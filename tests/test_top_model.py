@@ -102,6 +102,27 @@ def test_cpu_percent_is_a_rate_between_the_last_two_samples():
     assert threads[1][0].cpu_pct == pytest.approx(140.0)
 
 
+def test_thread_rows_are_made_per_process_when_looked_up(monkeypatch):
+    """A frame's thread rows are made for the process the view looks at, when it looks: the same
+    rows thread_rows gives, each process's made once, and none for a process never looked up."""
+    engine = ProcessSample(pid=1, ppid=0, role=Role.ENGINE_CORE, name="e", cpu_user_s=1.0,
+                           threads=(_thread(1, cpu=1.0), _thread(2, cpu=0.5)))
+    worker = ProcessSample(pid=2, ppid=1, role=Role.WORKER, name="w", cpu_user_s=3.0, threads=(_thread(3, cpu=3.0),))
+    later = (replace(engine, threads=(_thread(1, cpu=2.0), _thread(2, cpu=0.5))), replace(worker, threads=(_thread(3, cpu=3.5),)))
+    window = [model.ScrapedSample.of(Sample(t=10.0, processes=(engine, worker))),
+              model.ScrapedSample.of(Sample(t=11.0, processes=later))]
+    made: list[int] = []
+    real = model.thread_rows
+    monkeypatch.setattr(model, "thread_rows", lambda p, *a: made.append(p.pid) or real(p, *a))
+    procs, threads = model.process_rows(window)
+    assert made == [] and sorted(threads) == [1, 2] and len(threads) == 2
+    assert threads[1] == real(later[0], engine, 11.0, 10.0)
+    assert [r.cpu_pct for r in threads[1]] == [pytest.approx(100.0), pytest.approx(0.0)]
+    assert threads.get(1) is threads[1] and made == [1]  # made once
+    assert threads.get(99, ()) == () and made == [1]
+    assert threads[2][0].cpu_pct == pytest.approx(50.0) and made == [1, 2]
+
+
 def test_reachability_says_what_failed():
     proc = ProcessSample(pid=1, ppid=0, role=Role.API_SERVER, name="api")
     ok = MetricsScrape(t=1, url="u", status=200, text="x 1\n")

@@ -8,7 +8,7 @@ the app whole, so the UI thread only lays it out.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from wedgectl import stacks as stk
@@ -92,7 +92,7 @@ class Frame:
     verdict: Verdict
     counters: tuple[CounterRow, ...]
     processes: tuple[ProcessRow, ...]
-    threads: dict[int, tuple[ThreadRow, ...]]
+    threads: Mapping[int, tuple[ThreadRow, ...]]  # made per process when looked up (ThreadRows)
     stacks: dict[int, tuple[StackDump, ...]]  # every dump of each pid in the window, oldest first
     reachable: bool
     status: str
@@ -201,22 +201,46 @@ def _previous_processes(window: Sequence[ScrapedSample]) -> tuple[float, tuple[P
     return None
 
 
-def process_rows(window: Sequence[ScrapedSample]) -> tuple[tuple[ProcessRow, ...], dict[int, tuple[ThreadRow, ...]]]:
+class ThreadRows(Mapping[int, tuple[ThreadRow, ...]]):
+    """pid -> its thread rows, each process's made when first looked up. The view shows one
+    process's threads; making every process's each refresh (a Worker's dozens) was half of
+    build_frame, for rows nobody looks at unless the selection moves to them."""
+
+    def __init__(self, procs: Sequence[tuple[ProcessSample, ProcessSample | None]], t: float, prev_t: float | None) -> None:
+        self._procs = {p.pid: (p, before) for p, before in procs}
+        self._t, self._prev_t = t, prev_t
+        self._made: dict[int, tuple[ThreadRow, ...]] = {}
+
+    def __getitem__(self, pid: int) -> tuple[ThreadRow, ...]:
+        rows = self._made.get(pid)
+        if rows is None:
+            p, before = self._procs[pid]  # KeyError for a pid not in the sample, as a dict's
+            rows = self._made[pid] = thread_rows(p, before, self._t, self._prev_t)
+        return rows
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._procs)
+
+    def __len__(self) -> int:
+        return len(self._procs)
+
+
+def process_rows(window: Sequence[ScrapedSample]) -> tuple[tuple[ProcessRow, ...], Mapping[int, tuple[ThreadRow, ...]]]:
     last = next((s.sample for s in reversed(window) if s.sample.processes), None)
     if last is None:
         return (), {}
     prev = _previous_processes(window)
     prev_procs = {p.pid: p for p in prev[1]} if prev else {}
     prev_t = prev[0] if prev else None
-    rows, threads = [], {}
+    rows, procs = [], []
     for p in sorted(last.processes, key=lambda p: (ROLE_ORDER.get(p.role, 9), p.pid)):
         before = prev_procs.get(p.pid)
         cpu = _cpu_pct((last.t, p.cpu_s), (prev_t, before.cpu_s) if before and prev_t is not None else None)
         rows.append(ProcessRow(p.pid, p.role.value, p.name, p.state, cpu, p.num_threads,
                                None if p.rss_bytes is None else p.rss_bytes / 1e6,
                                "_".join(f"{k}{v}" for k, v in p.parallel_rank.items()), is_mp_helper(p.cmdline)))
-        threads[p.pid] = thread_rows(p, before, last.t, prev_t)
-    return tuple(rows), threads
+        procs.append((p, before))
+    return tuple(rows), ThreadRows(procs, last.t, prev_t)
 
 
 def thread_rows(p: ProcessSample, before: ProcessSample | None, t: float, prev_t: float | None) -> tuple[ThreadRow, ...]:
