@@ -16,7 +16,11 @@ gives one ratio (with / without); the median ratio is the answer. Tokens per CPU
 of the server's processes is printed too: on a busy machine the throughput moves with
 the share of the cores the server gets, while work per CPU second shows whether top
 slows the server down by any other way (locks, ptrace). top's CPU (py-spy's included)
-is read from the kernel for its process alone, over the phases it ran.
+is read from the kernel for its process alone, over the phases it ran, and then over one
+continuous stretch as long as those phases together, top never stopped: that is the figure
+set beside the goal. Stopped and started, top's clocks run on while it is stopped, so what
+it does by the clock (a stack dump every 30 s while healthy, a tree walk every 5 s) falls
+into its running phases twice as often as it does for a user.
 
 The goals: under 1 % throughput loss, and top itself under 1 % of one core at a 1 s refresh
 (the last line prints that figure beside its goal). On a small shared machine other
@@ -181,7 +185,7 @@ def main() -> int:
         load.start()
         phase(server.url, load, 5.0)  # warm-up
         target = server.tree_pids()
-        top = Top(server.pid, args.refresh, args.mode, duration=2 * args.rounds * (args.phase_s + 2) + 60,
+        top = Top(server.pid, args.refresh, args.mode, duration=3 * args.rounds * (args.phase_s + 2) + 60,
                   same_priority=args.same_priority)
         for r in range(args.rounds):
             order = (False, True) if r % 2 == 0 else (True, False)  # ABBA
@@ -194,6 +198,11 @@ def main() -> int:
             eff_ratios.append(got[True][1] / got[False][1] if got[False][1] else float("nan"))
             print(f"round {r + 1:2}: without top {got[False][0]:7.1f} tokens/s ({got[False][1]:6.1f}/server CPU s), "
                   f"with top {got[True][0]:7.1f} ({got[True][1]:6.1f}), ratio {ratios[-1]:.3f}", flush=True)
+        top.on()
+        time.sleep(1.0)  # the first tick after the last stop, late, is not counted
+        c0, t0 = top.cpu(), time.monotonic()
+        time.sleep(args.rounds * args.phase_s)
+        continuous_s, continuous_cpu = time.monotonic() - t0, top.cpu() - c0
     finally:
         if top is not None:
             top.close()
@@ -214,10 +223,13 @@ def main() -> int:
           f"rounds {min(ratios):.3f} .. {max(ratios):.3f}")
     print(f"server efficiency ratio (tokens per server CPU s): median {eff:.4f} ({100 * (1 - eff):+.2f} %), "
           f"rounds {min(eff_ratios):.3f} .. {max(eff_ratios):.3f}")
-    print(f"wedgectl top CPU: {top.cpu_on_s:.2f} s over {on_s:.0f} s attached = "
-          f"{100 * top.cpu_on_s / on_s:.1f} % of one core, {100 * top.cpu_on_s / on_s / cores:.1f} % of the machine (py-spy included)")
+    print(f"wedgectl top CPU over its running phases: {top.cpu_on_s:.2f} s over {on_s:.0f} s attached = "
+          f"{100 * top.cpu_on_s / on_s:.2f} % of one core (py-spy included; its clocks ran while it was stopped)")
+    cont = 100 * continuous_cpu / continuous_s
+    print(f"wedgectl top CPU, never stopped: {continuous_cpu:.2f} s over {continuous_s:.0f} s = "
+          f"{cont:.2f} % of one core, {cont / cores:.2f} % of the machine (py-spy included)")
     print(f"{'figure':34} {'measured':>9} {'goal':>6}")
-    print(f"{'top CPU, % of one core':34} {100 * top.cpu_on_s / on_s:9.2f} {'<= 1':>6}   (refresh {args.refresh:g} s, {args.mode})")
+    print(f"{'top CPU, % of one core':34} {cont:9.2f} {'<= 1':>6}   (refresh {args.refresh:g} s, {args.mode}, never stopped)")
     print(f"{'serving throughput ratio':34} {med:9.4f} {'>= 0.99':>6}")
     print(f"client errors: {load.errors}; server log: {log}")
     return 0
