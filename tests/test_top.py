@@ -67,6 +67,22 @@ async def test_the_banner_shows_the_verdict_diagnose_gives(name):
 
 
 @pytest.mark.asyncio
+async def test_the_garbage_collector_runs_less_often_while_top_runs_and_is_given_back():
+    """From the first frame, top's short-lived objects are left to refcounting and young collections
+    come every 10,000 allocations (at the default 700 they walked the live window each refresh);
+    the thresholds the process had come back when the app ends."""
+    import gc
+
+    before = gc.get_threshold()
+    assert before != top_app.GC_THRESHOLD
+    app = make_app(BundleSource(read_bundle(WEDGE), WEDGE))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.frame is not None)
+        assert gc.get_threshold() == top_app.GC_THRESHOLD
+    assert gc.get_threshold() == before
+
+
+@pytest.mark.asyncio
 async def test_tables_show_the_deployment_and_the_engine_threads():
     b = read_bundle(WEDGE)
     last = b.samples[-1]
