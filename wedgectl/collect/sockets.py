@@ -112,6 +112,28 @@ def diag_tcp(family: int, timeout: float = DIAG_TIMEOUT_S) -> dict[int, tuple[in
                 return out
 
 
+def tcp6_in_use(path: Path | str = "/proc/net/sockstat6") -> bool:
+    """Whether wedgectl's network namespace holds any IPv6 TCP socket ("TCP6: inuse N" in
+    sockstat6). A sock_diag dump walks the kernel's whole connection hash, however few sockets
+    it lists: 1.1 ms of CPU for an IPv6 table with no socket in it, measured, against 0.03 ms for
+    this read. True where it cannot tell (unreadable, another format): then the table is asked.
+    A host without IPv6 has no sockstat6 and no IPv6 socket: False."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            text = f.read(4096)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    for line in text.splitlines():
+        if line.startswith("TCP6:"):
+            fields = line.split()
+            if len(fields) >= 3 and fields[1] == "inuse" and fields[2].isdigit():
+                return int(fields[2]) > 0
+            break
+    return True
+
+
 def socket_inodes(pid: int, proc_root: Path = procfs.PROC, links: list[str] | None = None) -> set[int]:
     """Inodes of the sockets ``pid`` holds open (readlink /proc/PID/fd/* -> 'socket:[N]'; `links`:
     its procfs.fd_links, if read). PermissionError (no CAP_SYS_PTRACE over the target)
@@ -182,7 +204,8 @@ class TcpTables:
             if self.diag and self.proc_root == procfs.PROC and ns == self._own_netns() and self.diag_failed is None:
                 try:
                     table = diag_tcp(socket.AF_INET)
-                    table.update(diag_tcp(socket.AF_INET6))
+                    if tcp6_in_use():
+                        table.update(diag_tcp(socket.AF_INET6))
                 except OSError as exc:  # netlink refused (a seccomp profile), or past its bounds
                     self.diag_failed, table = str(exc) or type(exc).__name__, None
             if table is None:
