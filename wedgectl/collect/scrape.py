@@ -398,7 +398,7 @@ class Scraper:
         # Per metrics URL, whether its restricted page answers as asked (absent: not known yet).
         self.restricted: dict[str, bool] = {}
         self._asked: dict[str, str] = {}  # metrics URL -> its restricted URL, built once
-        self._names: dict[str, set[str]] = {}  # metrics URL -> the series its last restricted page held
+        self._last: dict[str, str] = {}  # metrics URL -> its last restricted page (named only when checked)
         self._scrapes: dict[str, int] = {}  # metrics URL -> restricted scrapes since the last whole page
 
     def metrics(self, url: str, timeout: float | None = None) -> MetricsScrape:
@@ -432,7 +432,7 @@ class Scraper:
         if self.restricted.get(url):
             self._scrapes[url] = self._scrapes.get(url, 0) + 1
             if got.ok:
-                self._names[url] = series_names(got.text)
+                self._last[url] = got.text or ""
             return got
         left = lambda: max(0.1, timeout - (time.monotonic() - start))  # noqa: E731 - what is left of the timeout
         if not _serves_series(got):
@@ -444,7 +444,7 @@ class Scraper:
         whole = scrape_metrics(url, left())
         if not whole.ok:
             return got  # nothing decided: checked again at the next scrape
-        self._names[url] = series_names(got.text)
+        self._last[url] = got.text or ""
         if self._left_out(url, whole):
             self.restricted[url] = False
             return whole
@@ -453,9 +453,10 @@ class Scraper:
         return got
 
     def _left_out(self, url: str, whole: MetricsScrape) -> bool:
-        """Whether the whole page holds a judged series the last restricted page did not."""
+        """Whether the whole page holds a judged series the last restricted page did not (that
+        page's series are named here, at the check, not at every scrape)."""
         assert self.series is not None
-        return bool((series_names(whole.text) & set(self.series)) - self._names.get(url, set()))
+        return bool((series_names(whole.text) & set(self.series)) - series_names(self._last.get(url, "")))
 
     def health(self, base_url: str, timeout: float | None = None) -> tuple[int | None, str | None]:
         return probe_health(base_url, self.timeout if timeout is None else timeout)
