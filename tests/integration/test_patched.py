@@ -56,15 +56,19 @@ def test_healthy_output_unchanged_by_the_plugin(vllm_python: Path, tiny_model: P
     patched_spec = ServerSpec(model=tiny_model, port=free_port(), env={"WEDGE_ENGINE_FIXES": "all"})
     with running_server(patched_spec, vllm_python, tmp_path / "patched.log") as patched:
         got = _completions(patched.url)
-        metrics = parse_metrics(httpx.get(f"{patched.url}/metrics").text)
+        whole = httpx.get(f"{patched.url}/metrics").text
+        metrics = parse_metrics(whole)
         # top and a watcher's cheap ticks ask for the judged series alone; the heartbeat must come
-        # with them (vLLM 0.32's restricted page leaves out the plugin's collector, which names
-        # nothing up front: the scraper finds that out and takes the whole page)
-        restricted = Scraper(10.0, series=JUDGED_SERIES).metrics(f"{patched.url}/metrics")
+        # with them, on the restricted page itself (the plugin's collector names its series up
+        # front; one that did not was left out of it, and the scraper took the whole page)
+        scraper = Scraper(10.0, series=JUDGED_SERIES)
+        restricted = scraper.metrics(f"{patched.url}/metrics")
+        stayed_restricted = scraper.restricted.get(f"{patched.url}/metrics")
     assert got == want
     assert metrics.has_heartbeat and metrics.heartbeat_model_steps >= 4 * 32 - 4
     lean = parse_metrics(restricted.text)
-    assert restricted.ok and lean.has_heartbeat
+    assert restricted.ok and lean.has_heartbeat and stayed_restricted is True
+    assert len(restricted.text or "") < len(whole) / 4  # the small page (2.3 KB of 50 KB on a stock server, measured)
     assert lean.heartbeat_model_steps >= metrics.heartbeat_model_steps >= 4 * 32 - 4
     assert lean.heartbeat_model_step_age is not None and lean.heartbeat_step_age is not None
 

@@ -51,7 +51,17 @@ class EngineStatusCollector:
         self.groups = groups
 
     def describe(self):
-        return []  # no names up front: nothing to collide with, and registering reads nothing
+        """Every series it may publish, named up front (registering reads nothing). prometheus_client
+        indexes a collector by these names, and its restricted page (`/metrics/?name[]=...`, what
+        wedgectl's top and a watcher's cheap ticks ask for) collects only the collectors it
+        indexed: one that named nothing was left out, and wedgectl took the whole page instead."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        yield CounterMetricFamily("wedge_engine:admission_rejections", "")
+        yield CounterMetricFamily("wedge_engine:steps", "")
+        yield CounterMetricFamily("wedge_engine:model_steps", "")
+        yield GaugeMetricFamily("wedge_engine:last_step_age_seconds", "")
+        yield GaugeMetricFamily("wedge_engine:last_model_step_age_seconds", "")
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
