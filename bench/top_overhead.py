@@ -1,7 +1,8 @@
 """What `wedgectl top` costs the server it watches: tokens/s with and without top attached, in one run.
 
     python bench/top_overhead.py [--rounds 10] [--phase-s 6] [--clients 2] [--max-tokens 64]
-                                 [--refresh 1] [--mode app|collector] [--same-priority] [--python PY]
+                                 [--refresh 1] [--mode app|collector|burn] [--burn-ms 14]
+                                 [--same-priority] [--python PY]
 
 Starts one tiny-model vLLM server (the managed runtime), drives a fixed closed-loop load
 (CLIENTS threads, each sending the next completion as soon as the last returns) and
@@ -21,6 +22,12 @@ continuous stretch as long as those phases together, top never stopped: that is 
 set beside the goal. Stopped and started, top's clocks run on while it is stopped, so what
 it does by the clock (a stack dump every 30 s while healthy, a tree walk every 5 s) falls
 into its running phases twice as often as it does for a user.
+
+--mode burn puts a control in top's place: a process that only burns --burn-ms of CPU
+in one go each refresh (set it to what top used), at top's priority, and does nothing
+else. Its throughput ratio is what any process that takes that much CPU from a saturated
+host costs this server; what top costs beyond it is what it does besides (its scrapes,
+its /proc reads, py-spy).
 
 The goals: under 1 % throughput loss, and top itself under 1 % of one core at a 1 s refresh
 (the last line prints that figure beside its goal). On a small shared machine other
@@ -47,6 +54,19 @@ from wedgectl.metrics import parse_metrics
 from wedgectl.runtime import ServerSpec, ensure_tiny_model, free_port, runtime_python, start_server, stop_server
 
 SETTLE_S = 4.0  # top's start-up (imports, discovery, first stack dump) is left out of the phase
+BURN = """
+import os, sys, time
+if sys.argv[3] == "nice":
+    os.nice(5)
+burn, refresh, end = float(sys.argv[1]) / 1000, float(sys.argv[2]), time.monotonic() + float(sys.argv[4])
+due = time.monotonic()
+while time.monotonic() < end:
+    t = time.thread_time()
+    while time.thread_time() - t < burn:
+        pass
+    due = max(due + refresh, time.monotonic())
+    time.sleep(max(0.0, due - time.monotonic()))
+"""
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
 
@@ -102,13 +122,17 @@ def phase(url: str, load: Load, seconds: float) -> float:
 class Top:
     """One headless top watching pid, switched off (SIGSTOP) and on (SIGCONT) between phases."""
 
-    def __init__(self, pid: int, refresh: float, mode: str, duration: float, same_priority: bool = False) -> None:
+    def __init__(self, pid: int, refresh: float, mode: str, duration: float, same_priority: bool = False,
+                 burn_ms: float = 14.0) -> None:
         cmd = [sys.executable, "-m", "wedgectl.tui.headless", "--pid", str(pid),
                "--duration", str(duration), "--refresh", str(refresh)]
         if mode == "app":
             cmd.append("--app")
         if same_priority:
             cmd.append("--same-priority")
+        if mode == "burn":  # the control: the CPU alone, at the same priority
+            cmd = [sys.executable, "-c", BURN, str(burn_ms), str(refresh), "same" if same_priority else "nice",
+                   str(duration)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.ps = psutil.Process(self.proc.pid)
         self.cpu_on_s = 0.0  # CPU used during the phases it ran
@@ -168,7 +192,8 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--refresh", type=float, default=1.0)
-    ap.add_argument("--mode", choices=("app", "collector"), default="app")
+    ap.add_argument("--mode", choices=("app", "collector", "burn"), default="app")
+    ap.add_argument("--burn-ms", type=float, default=14.0, help="--mode burn: CPU ms burnt each refresh")
     ap.add_argument("--python", help="a vLLM environment's python (default: the managed runtime)")
     ap.add_argument("--same-priority", action="store_true", help="run top at the server's priority, not at nice +5")
     args = ap.parse_args()
@@ -186,7 +211,7 @@ def main() -> int:
         phase(server.url, load, 5.0)  # warm-up
         target = server.tree_pids()
         top = Top(server.pid, args.refresh, args.mode, duration=3 * args.rounds * (args.phase_s + 2) + 60,
-                  same_priority=args.same_priority)
+                  same_priority=args.same_priority, burn_ms=args.burn_ms)
         for r in range(args.rounds):
             order = (False, True) if r % 2 == 0 else (True, False)  # ABBA
             got = {w: measure(server.url, load, args.phase_s, top, w, target) for w in order}
