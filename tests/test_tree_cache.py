@@ -57,17 +57,65 @@ def test_the_tree_is_walked_once_while_it_is_fresh_and_whole(tree, monkeypatch):
     assert len(walks) == 2  # and the new walk is trusted until it too goes stale
 
 
-def test_a_stale_tree_is_walked_again(tree, monkeypatch):
+def test_a_tree_is_walked_again_every_full_every_s_and_for_another_root(tree, monkeypatch):
     root, kids = tree
     walks: list[int] = []
     monkeypatch.setattr(sampler, "tree_roles", lambda pid: walks.append(pid) or {root: Role.OTHER})
-    cache = TreeCache(ttl_s=0.2)
+    cache = TreeCache(ttl_s=0.05, full_every_s=0.3)
     cache.roles(root)
+    time.sleep(0.1)
+    cache.roles(root)
+    assert len(walks) == 1 and cache.looks == 1  # stale: looked at, nothing of it new
     time.sleep(0.3)
     cache.roles(root)
-    assert len(walks) == 2
+    assert len(walks) == 2  # a pid reused between two looks would not be new: a walk now and then
     cache.roles(kids[0])  # another root (a rediscovery): walked at once
     assert walks[-1] == kids[0]
+
+
+SPAWNER = """
+import subprocess, sys, time
+kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])]
+print(kids[0].pid, flush=True)
+for line in sys.stdin:
+    kids.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]))
+    print(kids[-1].pid, flush=True)
+"""
+
+
+def test_a_look_walks_only_when_a_process_of_the_deployment_started(monkeypatch):
+    """A look every ttl_s reads the host's pid list and the parent of each pid new to it: a
+    process started elsewhere on the host is not walked for; a child the deployment starts is
+    found at the next look (real processes, the real walk)."""
+    walks: list[int] = []
+    real = sampler.tree_roles
+    monkeypatch.setattr(sampler, "tree_roles", lambda pid: walks.append(pid) or real(pid))
+    parent = subprocess.Popen([sys.executable, "-c", SPAWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    elsewhere = None
+    kids: list[int] = []
+    try:
+        first = int(parent.stdout.readline())
+        kids.append(first)
+        cache = TreeCache(ttl_s=0.2, full_every_s=600)
+        assert set(cache.roles(parent.pid)) == {parent.pid, first} and len(walks) == 1
+        elsewhere = subprocess.Popen(["sleep", "60"])  # new on the host, wedgectl's child, not the tree's
+        time.sleep(0.25)
+        assert set(cache.roles(parent.pid)) == {parent.pid, first}
+        assert len(walks) == 1 and cache.looks == 1
+        parent.stdin.write("one more\n")
+        parent.stdin.flush()
+        second = int(parent.stdout.readline())
+        kids.append(second)
+        time.sleep(0.25)
+        assert set(cache.roles(parent.pid)) == {parent.pid, first, second}
+        assert len(walks) == 2 and cache.looks == 1
+    finally:
+        for p in (elsewhere, parent):
+            if p is not None:
+                p.kill()
+                p.wait()
+        for pid in kids:
+            subprocess.run(["kill", "-9", str(pid)], check=False)
 
 
 def test_fds_and_tcp_tables_are_read_at_the_walk_not_every_sample(monkeypatch):
