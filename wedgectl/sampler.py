@@ -17,8 +17,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 
-import psutil
-
 from wedgectl import __version__
 from wedgectl.classify import Facts, classify, classify_facts
 from wedgectl.classify.facts import MIN_FROZEN_S, stepless_of
@@ -240,10 +238,9 @@ class TreeCache:
         for pid, role in list(self._roles.items()):
             if role is not Role.OTHER:
                 continue
-            try:
-                self._roles[pid] = processes.role_of(psutil.Process(pid))
-            except (psutil.Error, OSError):
-                continue  # gone: _intact sees it at the next refresh
+            now = processes.role_of_pid(pid)
+            if now is not None:  # gone: _intact sees it at the next refresh
+                self._roles[pid] = now
 
     def _intact(self) -> bool:
         return all(_start_ticks(pid) == start for pid, start in self._starts.items())

@@ -225,6 +225,14 @@ def identify(pid: int) -> Identity | None:
     return Identity(vllm, name, tuple(argv))
 
 
+def role_of_pid(pid: int) -> Role | None:
+    """role_of for a pid; None once it has gone."""
+    try:
+        return role_of(psutil.Process(pid))
+    except (psutil.Error, OSError):
+        return None
+
+
 def role_of(proc: psutil.Process) -> Role:
     """classify_role, plus what the parent tells: an untitled multiprocessing child (or a
     fork that still shows its parent's cmdline) of an API server is its engine core, and
