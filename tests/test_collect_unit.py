@@ -557,3 +557,17 @@ def test_stack_failure_without_prefix() -> None:
 )
 def test_metrics_url_for(base: str, url: str) -> None:
     assert scrape.metrics_url_for(base) == url
+
+
+def test_boot_time_follows_a_stepped_wall_clock(tmp_path, monkeypatch):
+    """btime is the wall clock less the time since boot, so it moves when the clock is stepped;
+    psutil reads it at every call, and a value kept for good put start times seconds off theirs
+    (seen: 12 s after a VM clock sync). It is read again once BOOT_TTL_S has passed."""
+    from wedgectl.collect import procfs
+
+    (tmp_path / "stat").write_text("cpu  1 2 3\nbtime 1000\nprocesses 5\n")
+    assert procfs.boot_time(tmp_path) == 1000.0
+    (tmp_path / "stat").write_text("cpu  1 2 3\nbtime 1012\nprocesses 5\n")
+    assert procfs.boot_time(tmp_path) == 1000.0  # within the TTL: the kept value
+    monkeypatch.setattr(procfs, "BOOT_TTL_S", 0.0)
+    assert procfs.boot_time(tmp_path) == 1012.0

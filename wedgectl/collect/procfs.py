@@ -341,14 +341,19 @@ def read_rss(pid: int, proc_root: Path = PROC) -> int | None:
         return None
 
 
-_BOOT: dict[str, float] = {}
+_BOOT: dict[str, tuple[float, float]] = {}  # proc root -> (monotonic time read, btime)
+BOOT_TTL_S = 1.0
 
 
 def boot_time(proc_root: Path = PROC) -> float | None:
-    """The host's boot time in unix seconds (/proc/stat's btime), read once per proc root: it does
-    not change while the host is up. None where unreadable."""
+    """The host's boot time in unix seconds (/proc/stat's btime), read again at most once a second
+    per proc root. The kernel gives it as the wall clock less the time since boot, so it moves
+    when the wall clock is stepped (NTP, a VM's clock sync): a value kept for good put process
+    start times seconds away from psutil's, which reads it at every call. None where unreadable."""
     key = str(proc_root)
-    if key not in _BOOT:
+    now = time.monotonic()
+    kept = _BOOT.get(key)
+    if kept is None or now - kept[0] >= BOOT_TTL_S:
         try:
             text = _read_text(proc_root / "stat")
         except OSError:
@@ -357,10 +362,10 @@ def boot_time(proc_root: Path = PROC) -> float | None:
         if at < 0:
             return None
         try:
-            _BOOT[key] = float(text[at + 7:text.index("\n", at + 1)])
+            _BOOT[key] = kept = (now, float(text[at + 7:text.index("\n", at + 1)]))
         except ValueError:
             return None
-    return _BOOT[key]
+    return kept[1]
 
 
 class ThreadMemo:
