@@ -140,11 +140,13 @@ def test_fds_and_tcp_tables_are_read_at_the_walk_not_every_sample(monkeypatch):
         for _ in range(3):
             samples, _ = processes.sample_roles({me: role}, procfs.ThreadMemo(), memo)
             assert samples and samples[0].connections == 0
-        assert read == [os.getpid(), me] and me in memo  # wedgectl's own sockets, then its: once
-        assert len(tables) == 2  # one table (the namespace's), for ours and its, at the first sample only
+        # wedgectl's own sockets (before and after the table), then its: once
+        assert read == [os.getpid(), os.getpid(), me] and me in memo
+        # the namespace's table, asked for ours (both reads) and its, at the first sample only
+        assert tables == [os.getpid(), os.getpid(), me]
         memo.clear()  # the walk
         processes.sample_roles({me: role}, procfs.ThreadMemo(), memo)
-        assert read[2:] == [os.getpid(), me]
+        assert read[3:] == [os.getpid(), os.getpid(), me]
     # A diagnose keeps no memo: every sample reads them.
     read.clear()
     for _ in range(2):

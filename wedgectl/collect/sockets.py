@@ -260,9 +260,17 @@ def _proc_table(base: Path) -> dict[int, tuple[int, object, object]]:
 
 
 def own_tcp_addresses(tables: TcpTables) -> frozenset[tuple[str, int]]:
-    """wedgectl's own local TCP addresses (its scrape and /health connections), read through `tables`."""
+    """wedgectl's own local TCP addresses (its scrape and /health connections), read through `tables`.
+
+    Its socket fds are read both before and after the table (a dump the first time it is asked):
+    a scrape finishing beside the read closes its connection at any moment, and one closed after
+    the dump but before a single fd read would still be ESTABLISHED in the table on the server's
+    side and count as a client. Read on both sides, every connection of ours the table holds is
+    known as ours."""
+    me = os.getpid()
     try:
-        mine = tables.of(os.getpid())
+        before = procfs.fd_links(me)
+        mine = tables.of(me) + tables.of(me, before)
     except OSError:
         return frozenset()
     out = set()
