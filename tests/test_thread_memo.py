@@ -63,7 +63,13 @@ def test_without_switches_a_thread_reads_the_same_but_for_its_switch_counts():
     proc = subprocess.Popen([sys.executable, "-c", TARGET], stdout=subprocess.PIPE, text=True)
     try:
         _, parked_tid = (int(x) for x in proc.stdout.readline().split())
-        full = {t.tid: t for t in procfs.read_threads(proc.pid)[0]}
+        # On a loaded host the parked thread may not have reached its wait yet: wait (bounded)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            full = {t.tid: t for t in procfs.read_threads(proc.pid)[0]}
+            if full[parked_tid].state == "S" and (full[parked_tid].voluntary_switches or 0) > 0:
+                break
+            time.sleep(0.05)
         lean = {t.tid: t for t in procfs.read_threads(proc.pid, switches=False)[0]}
         assert set(full) == set(lean)
         assert full[parked_tid].voluntary_switches is not None and full[parked_tid].voluntary_switches > 0
