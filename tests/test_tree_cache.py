@@ -131,8 +131,9 @@ def test_fds_and_tcp_tables_are_read_at_the_walk_not_every_sample(monkeypatch):
 
     read: list[int] = []
     tables: list[int] = []
-    real_links, real_table = procfs.fd_links, sockets.TcpTables._table
+    real_links, real_own, real_table = procfs.fd_links, procfs.own_fd_links, sockets.TcpTables._table
     monkeypatch.setattr(procfs, "fd_links", lambda pid, root=procfs.PROC: read.append(pid) or real_links(pid, root))
+    monkeypatch.setattr(procfs, "own_fd_links", lambda: read.append(os.getpid()) or real_own())
     monkeypatch.setattr(sockets.TcpTables, "_table", lambda self, pid: tables.append(pid) or real_table(self, pid))
     sleeper = subprocess.Popen(["sleep", "60"])
     me = sleeper.pid

@@ -269,8 +269,9 @@ def own_tcp_addresses(tables: TcpTables) -> frozenset[tuple[str, int]]:
     known as ours."""
     me = os.getpid()
     try:
-        before = procfs.fd_links(me)
-        mine = tables.of(me) + tables.of(me, before)
+        before = procfs.own_fd_links()
+        tables.of(me, [])  # the table, dumped (or read) now: after `before`, before `after`
+        mine = tables.of(me, before + procfs.own_fd_links())  # one set of inodes, each decoded once
     except OSError:
         return frozenset()
     out = set()
