@@ -590,6 +590,7 @@ async def test_a_text_pane_wraps_scrolls_and_draws_changed_lines_without_a_layou
     text of another length moves only the virtual size: no layout pass of the screen, which a
     Static of auto height cost at every change of its line count. A same-length text draws only
     its changed lines."""
+    from rich.segment import Segment
     from rich.text import Text
     from textual.app import App
     from textual.widget import Widget
@@ -610,7 +611,7 @@ async def test_a_text_pane_wraps_scrolls_and_draws_changed_lines_without_a_layou
         pane.show(Text("one two three four five six\nseven\n"))
         await pilot.pause(0.1)
         assert [pane.render_line(y).text.rstrip() for y in range(4)] == ["one two three four", "five six", "seven", ""]
-        assert str(pane.content) == "one two three four five six\nseven\n"
+        assert str(pane.content) == "one two three four five six\nseven"  # the trailing newline: no line
         assert pane.virtual_size.height == 3
 
         layouts: list[Widget] = []
@@ -642,6 +643,28 @@ async def test_a_text_pane_wraps_scrolls_and_draws_changed_lines_without_a_layou
         pane.show(Text("a\nc"))  # the second line alone changed
         await pilot.pause(0.1)
         assert drawn == [1]
+
+        # Paragraphs: only one not shown before at this width is wrapped; the lines are the
+        # whole text's, wrapped as one
+        wraps: list[str] = []
+        real_wrap = Text.wrap
+        monkeypatch.setattr(Text, "wrap", lambda self, *a, **kw: wraps.append(self.plain) or real_wrap(self, *a, **kw))
+        paras = [Text.assemble(("[metrics] ", "bold"), "running 2, waiting 0, tokens +511 in 1.0 s"),
+                 Text("next: a second line long enough to wrap at twenty columns", style="green")]
+        pane.show(paras)
+        assert wraps == [p.plain for p in paras]
+        paras[0] = Text.assemble(("[metrics] ", "bold"), "running 2, waiting 0, tokens +498 in 1.0 s")
+        wraps.clear()
+        pane.show(paras)
+        assert wraps == [paras[0].plain]
+        whole = real_wrap(Text("\n").join(paras), app.console, width)
+
+        def drawn_as(lines):
+            return [[(seg.text, seg.style) for seg in Segment.simplify(line.render(app.console)) if seg.text]
+                    for line in lines]
+
+        assert drawn_as(pane._lines) == drawn_as(whole)
+        assert len(pane._lines) > len(paras)  # and wrapped they were
 
 
 @pytest.mark.parametrize("name,healthy", [("healthy", True), ("admission-wedge", False)])

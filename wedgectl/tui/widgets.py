@@ -462,19 +462,29 @@ class TextPane(ScrollView, BaseStyled, can_focus=True):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._text = Text()
+        self._paras: tuple[Text, ...] = ()
         self._lines: list[Text] = []  # the text wrapped at _wrap_width
         self._keys: list[tuple[object, ...]] = []  # each line's plain text and spans
         self._strips: dict[tuple[object, ...], Strip] = {}
+        # each paragraph's wrapped lines and their keys, at _wrap_width: the evidence pane is shown
+        # again every refresh, most of its paragraphs as they were
+        self._wrapped: dict[tuple[object, ...], tuple[list[Text], list[tuple[object, ...]]]] = {}
         self._wrap_width = -1
 
     @property
     def content(self) -> Text:
         """The text shown (whole, before wrapping)."""
-        return self._text
+        return Text("\n").join(self._paras)
 
-    def show(self, text: Text) -> None:
-        self._text = text
+    def show(self, text: Text | Sequence[Text]) -> None:
+        """Show a text, or its paragraphs (its lines before wrapping) one Text each: a paragraph
+        shown before at this width is not wrapped again. A trailing newline is no line of its own."""
+        paras = list(text.split("\n", allow_blank=True)) if isinstance(text, Text) else list(text)
+        while paras and not paras[-1].plain:
+            paras.pop()
+        # a paragraph's own style as a span: a line is drawn by Text.render, which leaves the base
+        # style to its caller (Text.__rich_console__ joins the lines, which makes it a span)
+        self._paras = tuple(Text("").join([p]) if p.style else p for p in paras)
         self._wrap()
 
     def on_resize(self) -> None:
@@ -486,10 +496,22 @@ class TextPane(ScrollView, BaseStyled, can_focus=True):
         if width <= 0:  # not laid out yet: on_resize wraps it
             self._lines, self._keys, self._wrap_width = [], [], -1
             return
-        text = self._text.copy()
-        text.rstrip()  # a trailing newline is no line of its own
-        self._lines = list(text.wrap(self.app.console, width)) if text.plain else []
-        self._keys = [(line.plain, tuple(line.spans), line.style) for line in self._lines]
+        if width != self._wrap_width:
+            self._wrapped = {}
+        wrapped = {}
+        lines: list[Text] = []
+        keys: list[tuple[object, ...]] = []
+        for para in self._paras:
+            key = (para.plain, tuple(para.spans), para.style)
+            got = wrapped.get(key) or self._wrapped.get(key)
+            if got is None:  # as Text.wrap wraps each line of a whole text
+                out = list(para.wrap(self.app.console, width))
+                got = (out, [(line.plain, tuple(line.spans), line.style) for line in out])
+            wrapped[key] = got
+            lines.extend(got[0])
+            keys.extend(got[1])
+        self._wrapped = wrapped
+        self._lines, self._keys = lines, keys
         self._wrap_width = width
         live = set(self._keys)
         self._strips = {k: v for k, v in self._strips.items() if k in live}
@@ -536,7 +558,7 @@ class StackView(TextPane):
     lines: reactive[tuple[str, ...]] = var(())
 
     def watch_lines(self, lines: Sequence[str]) -> None:
-        self.show(Text("\n".join(lines)))
+        self.show([Text(line) for line in lines])
 
 
 class EvidenceView(TextPane):
@@ -548,14 +570,11 @@ class EvidenceView(TextPane):
         if verdict is None:
             self.show(Text())
             return
-        out = Text()
-        for e in verdict.evidence:
-            out.append(f"[{e.source}] ", "bold")
-            out.append(e.what + "\n")
-        for a in verdict.advice[:2]:
-            out.append("next: ", "bold green")
-            out.append(a + "\n")
-        self.show(out)
+        paras = [Text.assemble((f"[{e.source}] ", "bold"), e.what) for e in verdict.evidence]
+        paras += [Text.assemble(("next: ", "bold green"), a) for a in verdict.advice[:2]]
+        # one paragraph a line of the text: a newline within one splits it, as Text.wrap would
+        self.show([line for para in paras
+                   for line in (para.split("\n", allow_blank=True) if "\n" in para.plain else (para,))])
 
 
 def _pct(v: float | None) -> str:
