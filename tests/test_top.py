@@ -369,6 +369,21 @@ def test_cli_refuses_bad_targets_with_their_exit_codes(tmp_path):
     assert run_cli("--bundle", str(tmp_path / "nope.tar.gz")).returncode == exitcodes.NO_SUCH_FILE
     assert run_cli("--pid", "1").returncode == exitcodes.NOT_VLLM
     assert run_cli("--bundle", str(WEDGE), "--pid", "1").returncode == exitcodes.USAGE
+    refused = run_cli("--pid", "1", "--stacks-quiet", "0")
+    assert refused.returncode == exitcodes.USAGE and "--stacks-quiet must be > 0" in refused.stderr
+
+
+@pytest.mark.asyncio
+async def test_the_quiet_stacks_period_reaches_the_collector_and_the_status_line():
+    """--stacks-quiet (60 s unless told): how often py-spy runs while the verdict is healthy."""
+    from wedgectl.tui.source import STACKS_QUIET_S
+
+    assert STACKS_QUIET_S == 60.0
+    app = make_app(ScriptedSource(read_bundle(BUNDLES / "healthy.tar.gz")), refresh_s=0.2, stacks_quiet_s=7.5)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.frame is not None)
+        assert app.collector.stacks_quiet_s == 7.5
+        assert "(7.5 s while healthy)" in text_of(app.query_one(StatusLine))
 
 
 @pytest.mark.asyncio

@@ -190,7 +190,8 @@ def top(
     url: Annotated[Optional[str], typer.Option("--url", help="The server's base URL (metrics only without --pid).")] = None,
     bundle: Annotated[Optional[Path], typer.Option("--bundle", help="Replay a saved evidence bundle in the same view.", readable=False)] = None,
     refresh: Annotated[float, typer.Option("--refresh", help="Seconds between samples.")] = 2.0,
-    stacks_every: Annotated[int, typer.Option("--stacks-every", help="py-spy stacks on every Nth refresh while the verdict is not healthy; every 30 s while it is (d/D take them at once).")] = 5,
+    stacks_every: Annotated[int, typer.Option("--stacks-every", help="py-spy stacks on every Nth refresh while the verdict is not healthy (d/D take them at once).")] = 5,
+    stacks_quiet: Annotated[float, typer.Option("--stacks-quiet", help="Seconds between py-spy stacks while the verdict is healthy (idle or progressing): a dump costs ~10 ms of CPU a process.")] = 60.0,
     save_dir: Annotated[Path, typer.Option("--save-dir", help="Folder for bundles saved with the s key.")] = Path("."),
     low_priority: Annotated[bool, typer.Option("--low-priority/--same-priority", help="Run at nice +5 and idle I/O priority, below the server.")] = True,
 ) -> None:
@@ -202,8 +203,8 @@ def top(
 
     if bundle is not None and (pid is not None or url is not None):
         raise typer.BadParameter("--bundle replays saved evidence; it takes no --pid or --url")
-    if refresh <= 0 or stacks_every < 1:
-        raise typer.BadParameter("--refresh must be > 0 and --stacks-every >= 1")
+    if refresh <= 0 or stacks_every < 1 or not stacks_quiet > 0:
+        raise typer.BadParameter("--refresh and --stacks-quiet must be > 0, --stacks-every >= 1")
     if low_priority:
         from wedgectl.sampler import lower_priority
 
@@ -214,7 +215,7 @@ def top(
         source = LiveSource.connect(pid=pid, url=url)
     else:
         source = None
-    make_app(source, refresh_s=refresh, stacks_every=stacks_every, save_dir=save_dir).run()
+    make_app(source, refresh_s=refresh, stacks_every=stacks_every, save_dir=save_dir, stacks_quiet_s=stacks_quiet).run()
 
 
 @app.command()

@@ -25,6 +25,7 @@ from textual.widgets import DataTable, Footer, Label, Static
 from wedgectl.errors import WedgectlError
 from wedgectl.tui import model
 from wedgectl.tui.source import (
+    STACKS_QUIET_S,
     BundleSource,
     Collector,
     CpuMeter,
@@ -66,7 +67,8 @@ wedgectl top: a vLLM deployment and its live verdict, refreshed every few second
 
 Threads of one process that wait on the same futex address (one lock or
 condition) share a colour and show xN under SHARE. Stacks are dumped every
-Nth refresh (--stacks-every), every 30 s while the verdict is healthy, and
+Nth refresh (--stacks-every), every 60 s while the verdict is healthy
+(--stacks-quiet), and
 on d / D; the stack view says how old its dump is. A target that stops answering is shown as UNREACHABLE; top keeps
 trying and never blocks the screen.
 """
@@ -224,11 +226,13 @@ class TopApp(App):
     selected_tid: reactive[int | None] = var(None)
 
     def __init__(self, source: LiveSource | BundleSource | None, refresh_s: float = DEFAULT_REFRESH_S,
-                 stacks_every: int = 5, save_dir: Path = Path("."), quit_after_s: float | None = None) -> None:
+                 stacks_every: int = 5, save_dir: Path = Path("."), quit_after_s: float | None = None,
+                 stacks_quiet_s: float = STACKS_QUIET_S) -> None:
         super().__init__()
         self.source = source
         self.refresh_s = refresh_s
         self.stacks_every = stacks_every
+        self.stacks_quiet_s = stacks_quiet_s
         self.save_dir = Path(save_dir)
         self.quit_after_s = quit_after_s
         self.collector: Collector | None = None
@@ -290,7 +294,7 @@ class TopApp(App):
             self.cursor = len(source.scraped)
             self.replay()
         else:
-            self.collector = Collector(source, stacks_every=self.stacks_every)
+            self.collector = Collector(source, stacks_every=self.stacks_every, stacks_quiet_s=self.stacks_quiet_s)
             self.selected_pid = None
             if self._collect_loop is None:
                 self._collect_loop = CollectLoop(self, self.refresh_s)
@@ -600,6 +604,8 @@ def swap_plan(pid: int) -> tuple[object | None, list[str], str]:
 
 
 def make_app(source: LiveSource | BundleSource | None, refresh_s: float = DEFAULT_REFRESH_S,
-             stacks_every: int = 5, save_dir: Path | str = ".", quit_after_s: float | None = None) -> TopApp:
+             stacks_every: int = 5, save_dir: Path | str = ".", quit_after_s: float | None = None,
+             stacks_quiet_s: float = STACKS_QUIET_S) -> TopApp:
     """The app for a live target, a bundle replay, or (None) the server picker."""
-    return TopApp(source, refresh_s=refresh_s, stacks_every=stacks_every, save_dir=Path(save_dir), quit_after_s=quit_after_s)
+    return TopApp(source, refresh_s=refresh_s, stacks_every=stacks_every, save_dir=Path(save_dir), quit_after_s=quit_after_s,
+                  stacks_quiet_s=stacks_quiet_s)

@@ -36,7 +36,7 @@ from wedgectl.types import Bundle, Manifest, Sample, Target
 WINDOW = 60  # samples kept for the sparklines: 2 min at the default refresh
 CLASSIFY_LAST = 10  # samples the live verdict rests on: 20 s at 2 s, longer than any rule's frozen threshold
 STACKS_EVERY = 5  # py-spy on every 5th refresh (and on request): it costs wedgectl CPU, not the target's
-STACKS_QUIET_S = 30.0  # while the verdict is healthy (idle, progressing): py-spy every 30 s instead
+STACKS_QUIET_S = 60.0  # while the verdict is healthy (idle, progressing): py-spy every 60 s instead
 LOG_EVERY = 5  # re-read the log tail every 5th refresh
 LIVE_LOG_BYTES = 256 << 10  # the live verdict reads the log's tail; a saved bundle gets the sampler's 4 MiB
 SAVE_LOG_BYTES = 4 << 20
