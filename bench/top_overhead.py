@@ -20,7 +20,7 @@ slows the server down by any other way (locks, ptrace). top's CPU (py-spy's incl
 is read from the kernel for its process alone, over the phases it ran, and then over one
 continuous stretch as long as those phases together, top never stopped: that is the figure
 set beside the goal. Stopped and started, top's clocks run on while it is stopped, so what
-it does by the clock (a stack dump every 30 s while healthy, a tree walk every 5 s) falls
+it does by the clock (a stack dump every 60 s while healthy, a tree look every 5 s) falls
 into its running phases twice as often as it does for a user.
 
 --mode burn puts a control in top's place: a process that only burns --burn-ms of CPU
