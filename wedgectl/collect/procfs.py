@@ -456,7 +456,10 @@ class ThreadMemo:
             self._held -= 1
 
     def close(self) -> None:
-        """Close every descriptor held; the memo still works, opening files afresh."""
+        """Close every descriptor held; the memo still works, opening files afresh. Not while a
+        read through it is under way in another thread: a number freed and reused meanwhile could
+        be read, or closed, as the memo's (top's collector thread is its one user, and never calls
+        it; the finalizer runs once nothing refers to the memo)."""
         _close_fds(self._fds)
         self._held = 0
 
