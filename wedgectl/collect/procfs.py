@@ -251,9 +251,14 @@ def fd_links(pid: int, proc_root: Path = PROC) -> list[str]:
     '/dev/nvidia0', a path. An fd closed meanwhile is skipped; OSError (PermissionError without
     CAP_SYS_PTRACE over it) when the fd directory is unreadable. str paths: a vLLM Worker holds
     hundreds of fds, and a sample reads them all."""
-    fd_dir = f"{proc_root}/{pid}/fd/"
+    return _readlinks(f"{proc_root}/{pid}/fd/")
+
+
+def _readlinks(fd_dir: str, skip: frozenset[int] | set[int] = frozenset()) -> list[str]:
     links = []
     for fd in os.listdir(fd_dir):
+        if skip and int(fd) in skip:
+            continue
         try:
             links.append(os.readlink(fd_dir + fd))
         except FileNotFoundError:
@@ -485,16 +490,7 @@ def own_fd_links() -> list[str]:
     """fd_links of this process, less the thread files ThreadMemos hold open: wedgectl reads its
     own socket fds twice at each sample of sockets (sockets.own_tcp_addresses), and a readlink
     apiece of the held files would cost more than every other read of it."""
-    fd_dir = f"{PROC}/{os.getpid()}/fd/"
-    links = []
-    for fd in os.listdir(fd_dir):
-        if int(fd) in _HELD_FDS:
-            continue
-        try:
-            links.append(os.readlink(fd_dir + fd))
-        except FileNotFoundError:
-            continue
-    return links
+    return _readlinks(f"{PROC}/{os.getpid()}/fd/", _HELD_FDS)
 
 
 def _fd_budget() -> int:
