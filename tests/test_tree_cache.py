@@ -99,6 +99,9 @@ def test_a_look_walks_only_when_a_process_of_the_deployment_started(monkeypatch)
         first = int(parent.stdout.readline())
         kids.append(first)
         cache = TreeCache(ttl_s=0.2, full_every_s=600)
+        listings: list[int] = []
+        real_host = cache._host_pids
+        monkeypatch.setattr(cache, "_host_pids", lambda: listings.append(1) or real_host())
         assert set(cache.roles(parent.pid)) == {parent.pid, first} and len(walks) == 1
         elsewhere = subprocess.Popen(["sleep", "60"])  # new on the host, wedgectl's child, not the tree's
         time.sleep(0.25)
@@ -111,6 +114,7 @@ def test_a_look_walks_only_when_a_process_of_the_deployment_started(monkeypatch)
         time.sleep(0.25)
         assert set(cache.roles(parent.pid)) == {parent.pid, first, second}
         assert len(walks) == 2 and cache.looks == 1
+        assert len(listings) == 3  # the first walk, the look; the look that led to a walk lists /proc once
     finally:
         for p in (elsewhere, parent):
             if p is not None:

@@ -201,7 +201,7 @@ class TreeCache:
         elif now - self._at >= self.ttl_s:
             host = self._host_pids()
             if host is None or self._joined(host - self._host):
-                self._walk(root_pid, now)
+                self._walk(root_pid, now, host)
             else:
                 self._host, self._at = host, now
                 self.fds.clear()  # ports, clients and devices: read again, as at a walk
@@ -209,8 +209,10 @@ class TreeCache:
                 self.looks += 1
         return dict(self._roles)
 
-    def _walk(self, root_pid: int, now: float) -> None:
-        self._host = self._host_pids() or set()  # before the walk: a process started during it is new at the next look
+    def _walk(self, root_pid: int, now: float, host: set[int] | None = None) -> None:
+        # the host's pids read before the walk (the look's, where a look led to it): a process
+        # started during it is new at the next look
+        self._host = host if host is not None else self._host_pids() or set()
         self._roles = tree_roles(root_pid)
         self.fds.clear()
         self._starts = {pid: _start_ticks(pid) for pid in self._roles}
