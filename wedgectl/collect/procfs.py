@@ -592,8 +592,8 @@ def read_threads(
                 CollectorFailure(COLLECTOR, FailureKind.BAD_DATA, f"/proc/{pid}/task/{tid}: {exc}", str(tid))
             )
 
-    if unchanged is not None:
-        unchanged.keep(pid, tids)
+    if unchanged is not None:  # a thread that exited mid-read is gone too: its held files close now
+        unchanged.keep(pid, [t for t in tids if t not in gone] if gone else tids)
     if gone:
         what = "process exited mid-read" if not threads else f"{len(gone)} thread(s) exited mid-read: {gone[:20]}"
         failures.append(CollectorFailure(COLLECTOR, FailureKind.GONE, what, str(pid)))
