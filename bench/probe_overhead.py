@@ -27,6 +27,14 @@ ratios (traced / the mean of the untraced rounds either side of it):
     python bench/probe_overhead.py --work 2000       # a moderate futex rate, nearer a serving engine's
     python bench/probe_overhead.py --backend procfs   # the /proc fallback (costs nothing while it waits)
     python bench/probe_overhead.py --min-wait-ms 1    # record waits over 1 ms (default 10)
+    python bench/probe_overhead.py --attach-points    # the storm under each attach point's empty program
+
+`--attach-points` measures what a place in the kernel costs by itself: an empty program
+(return 0) on the futex syscall tracepoints futexwait uses (through bpftrace), on the raw
+sys_enter and sys_exit tracepoints, and on the raw sched_switch and sched_wakeup tracepoints
+(both loaded through bpf(2) by bench/rawbpf.py), each interleaved with untraced rounds like
+the probes, beside futexwait itself. No program on an attach point costs less than its empty
+one: the row is the floor for any probe built there.
 
 Needs root (or CAP_BPF + CAP_PERFMON) for the eBPF back-ends. Goals (issue
 14): futexwait on the storm >= 0.97; every probe on the vLLM server >= 0.99.
@@ -41,7 +49,11 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, ContextManager, Iterator
+
+import rawbpf
 
 from wedgectl import probes as programs
 from wedgectl.collect import ebpf, ebpfhost, procfs
@@ -147,6 +159,78 @@ def phase(work: Workload, seconds: float, probes: tuple[str, ...] | None, backen
             "wakes_per_s": wakes / window,
             "pylock_per_s": sum(t.pylock_waits or 0 for t in threads) / window,
             "failures": [f.message for f in failures]}
+
+
+@contextmanager
+def bpftrace_empty(tracepoints: tuple[str, ...], timeout_s: float = 60.0) -> Iterator[None]:
+    """An empty bpftrace program on these classic tracepoints for the with-block, attached before
+    it begins (bpftrace says "Attaching N probes..." once they are) and stopped after."""
+    text = " ".join(f"tracepoint:{tp} {{ }}" for tp in tracepoints)
+    proc = subprocess.Popen(["bpftrace", "-e", text], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        attached = threading.Event()
+        said: list[str] = []
+
+        def read() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                said.append(line.strip())
+                if line.startswith("Attaching"):
+                    attached.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        t0 = time.monotonic()
+        while not attached.wait(0.1):
+            if proc.poll() is not None or time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"bpftrace did not attach: {' / '.join(said[-3:]) or 'no output'}")
+        time.sleep(0.5)  # "Attaching" comes before the last probe is in
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# (label, how it is loaded, the context manager that holds it attached)
+ATTACH_POINTS: list[tuple[str, str, Callable[[], ContextManager[None]]]] = [
+    ("futex syscall tps", "bpftrace", lambda: bpftrace_empty(programs.load_probe("futexwait").TRACEPOINTS)),
+    ("raw sys_enter/exit", "bpf(2)", lambda: rawbpf.attached(("sys_enter", "sys_exit"))),
+    ("raw sched_switch/wakeup", "bpf(2)", lambda: rawbpf.attached(("sched_switch", "sched_wakeup"))),
+]
+
+
+def attach_rows(args: argparse.Namespace) -> list:
+    """The storm under each attach point's empty program, and under futexwait, interleaved with
+    untraced rounds: rows as storm_rows makes them."""
+    work = Workload(args.pairs, args.work)
+    rows = []
+    try:
+        time.sleep(1.5)
+        for label, how, hold in ATTACH_POINTS:
+            def held(hold_: Callable[[], ContextManager[None]] = hold) -> dict:
+                with hold_():
+                    return phase(work, args.seconds, None, args.backend)
+
+            off, on, _ = interleaved(args.rounds, lambda: phase(work, args.seconds, None, args.backend), held)
+            rows.append({"label": label, "backend": how, "off": off, "on": on})
+        off, on, seen = interleaved(args.rounds, lambda: phase(work, args.seconds, None, args.backend),
+                                    lambda: phase(work, args.seconds, ("futexwait",), args.backend,
+                                                  args.min_wait_ms / 1000))
+        rows.append({"label": "futexwait", "backend": seen[-1].get("backend"), "off": off, "on": on})
+    finally:
+        work.stop()
+    return rows
+
+
+def print_attach(args: argparse.Namespace, rows: list) -> None:
+    print(f"futex storm: {args.pairs} thread pairs, {args.work} loop iterations per hand-off; each attach point "
+          "with an empty program (the floor for any probe there), then futexwait itself")
+    print(f"{'attach point':<24} {'loaded by':<9} {'untraced/s':>10} {'traced/s':>9} {'ratio':>6} {'paired':>6}  goal")
+    for r in rows:
+        m_off, m_on = statistics.median(r["off"]), statistics.median(r["on"])
+        print(f"{r['label']:<24} {r['backend'] or '-':<9} {m_off:>10,.0f} {m_on:>9,.0f} {m_on / m_off:>6.3f} "
+              f"{statistics.median(paired(r['off'], r['on'])):>6.3f}  >= {GOALS['storm']:g}")
+        print(f"{'':<24} paired rounds {[round(x, 3) for x in paired(r['off'], r['on'])]}")
 
 
 def ctx_switches(pid: int) -> int:
@@ -354,7 +438,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=4, help="concurrent completion streams on the server (default 4)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per completion (default 32)")
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of streams before measuring (default 5)")
+    p.add_argument("--attach-points", action="store_true",
+                   help="only the storm under each attach point's empty program, beside futexwait")
     args = p.parse_args(argv)
+    if args.attach_points:
+        rows = attach_rows(args)
+        print(f"{args.rounds} traced rounds x {args.seconds:g} s, between {args.rounds + 1} untraced ones; medians:")
+        print_attach(args, rows)
+        print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        return 0
 
     statuses = ebpfhost.detect_backends(programs.ALL_PROBES)
     chosen = ebpfhost.choose_backend([s for s in statuses if args.backend in ("auto", s.name)])
