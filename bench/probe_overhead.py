@@ -34,7 +34,9 @@ ratios (traced / the mean of the untraced rounds either side of it):
 sys_enter and sys_exit tracepoints, and on the raw sched_switch and sched_wakeup tracepoints
 (both loaded through bpf(2) by bench/rawbpf.py), each interleaved with untraced rounds like
 the probes, beside futexwait itself. No program on an attach point costs less than its empty
-one: the row is the floor for any probe built there.
+one: the row is the floor for any probe built there. One more row puts futexwait's wait
+counting on sched_switch (bench/rawbpf.py's futex_waits_program, x86_64): first checked on
+threads of known waits, then timed like the others.
 
 Needs root (or CAP_BPF + CAP_PERFMON) for the eBPF back-ends. Goals (issue
 14): futexwait on the storm >= 0.97; every probe on the vLLM server >= 0.99.
@@ -213,6 +215,16 @@ def attach_rows(args: argparse.Namespace) -> list:
 
             off, on, _ = interleaved(args.rounds, lambda: phase(work, args.seconds, None, args.backend), held)
             rows.append({"label": label, "backend": how, "off": off, "on": on})
+
+        def waits() -> dict:
+            counter = rawbpf.FutexWaits(work.proc.pid, int(args.min_wait_ms * 1e6))
+            try:
+                return phase(work, args.seconds, None, args.backend)
+            finally:
+                counter.close()
+
+        off, on, _ = interleaved(args.rounds, lambda: phase(work, args.seconds, None, args.backend), waits)
+        rows.append({"label": "sched_switch futex waits", "backend": "bpf(2)", "off": off, "on": on})
         off, on, seen = interleaved(args.rounds, lambda: phase(work, args.seconds, None, args.backend),
                                     lambda: phase(work, args.seconds, ("futexwait",), args.backend,
                                                   args.min_wait_ms / 1000))
@@ -222,9 +234,43 @@ def attach_rows(args: argparse.Namespace) -> list:
     return rows
 
 
+WAITER = r"""
+import sys, threading, time
+def wait(s):
+    for _ in range(3):
+        threading.Event().wait(s)
+        sum(range(100000))
+time.sleep(0.5)
+ts = [threading.Thread(target=wait, args=(s,)) for s in (0.02, 0.05, 0.2)]
+[t.start() for t in ts]
+print(" ".join(str(t.native_id) for t in ts), flush=True)
+[t.join() for t in ts]
+time.sleep(0.3)
+"""
+
+
+def check_futex_waits(min_wait_ms: float) -> str:
+    """What rawbpf.FutexWaits counts for threads that each wait three times on an Event (a futex
+    wait) for 20, 50 and 200 ms: the program measures what it is said to, or the row means nothing."""
+    proc = subprocess.Popen([sys.executable, "-c", WAITER], stdout=subprocess.PIPE, text=True)
+    counter = rawbpf.FutexWaits(proc.pid, int(min_wait_ms * 1e6))
+    try:
+        assert proc.stdout is not None
+        tids = [int(t) for t in proc.stdout.readline().split()]
+        proc.wait(30)
+        seen = counter.waits(tids)
+    finally:
+        counter.close()
+        proc.kill()
+    return "; ".join(f"{want} ms x3: {seen[t][0]} waits, {seen[t][1] / 1e6:.0f} ms" if t in seen else f"{want} ms x3: none"
+                     for t, want in zip(tids, (20, 50, 200)))
+
+
 def print_attach(args: argparse.Namespace, rows: list) -> None:
     print(f"futex storm: {args.pairs} thread pairs, {args.work} loop iterations per hand-off; each attach point "
           "with an empty program (the floor for any probe there), then futexwait itself")
+    print("sched_switch futex waits: futexwait's wait counting at switch-out only (bench/rawbpf.py), checked on "
+          f"threads of known waits over {args.min_wait_ms:g} ms: {check_futex_waits(args.min_wait_ms)}")
     print(f"{'attach point':<24} {'loaded by':<9} {'untraced/s':>10} {'traced/s':>9} {'ratio':>6} {'paired':>6}  goal")
     for r in rows:
         m_off, m_on = statistics.median(r["off"]), statistics.median(r["on"])
