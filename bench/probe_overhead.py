@@ -206,26 +206,22 @@ def attach_rows(args: argparse.Namespace) -> list:
     untraced rounds: rows as storm_rows makes them."""
     work = Workload(args.pairs, args.work)
     rows = []
+
+    def untraced() -> dict:
+        return phase(work, args.seconds, None, args.backend)
+
+    counting = ("sched_switch futex waits", "bpf(2)",
+                lambda: rawbpf.FutexWaits(work.proc.pid, int(args.min_wait_ms * 1e6)))
     try:
         time.sleep(1.5)
-        for label, how, hold in ATTACH_POINTS:
-            def held(hold_: Callable[[], ContextManager[None]] = hold) -> dict:
+        for label, how, hold in [*ATTACH_POINTS, counting]:
+            def held(hold_: Callable[[], ContextManager[object]] = hold) -> dict:
                 with hold_():
-                    return phase(work, args.seconds, None, args.backend)
+                    return untraced()
 
-            off, on, _ = interleaved(args.rounds, lambda: phase(work, args.seconds, None, args.backend), held)
+            off, on, _ = interleaved(args.rounds, untraced, held)
             rows.append({"label": label, "backend": how, "off": off, "on": on})
-
-        def waits() -> dict:
-            counter = rawbpf.FutexWaits(work.proc.pid, int(args.min_wait_ms * 1e6))
-            try:
-                return phase(work, args.seconds, None, args.backend)
-            finally:
-                counter.close()
-
-        off, on, _ = interleaved(args.rounds, lambda: phase(work, args.seconds, None, args.backend), waits)
-        rows.append({"label": "sched_switch futex waits", "backend": "bpf(2)", "off": off, "on": on})
-        off, on, seen = interleaved(args.rounds, lambda: phase(work, args.seconds, None, args.backend),
+        off, on, seen = interleaved(args.rounds, untraced,
                                     lambda: phase(work, args.seconds, ("futexwait",), args.backend,
                                                   args.min_wait_ms / 1000))
         rows.append({"label": "futexwait", "backend": seen[-1].get("backend"), "off": off, "on": on})
@@ -253,15 +249,15 @@ def check_futex_waits(min_wait_ms: float) -> str:
     """What rawbpf.FutexWaits counts for threads that each wait three times on an Event (a futex
     wait) for 20, 50 and 200 ms: the program measures what it is said to, or the row means nothing."""
     proc = subprocess.Popen([sys.executable, "-c", WAITER], stdout=subprocess.PIPE, text=True)
-    counter = rawbpf.FutexWaits(proc.pid, int(min_wait_ms * 1e6))
     try:
-        assert proc.stdout is not None
-        tids = [int(t) for t in proc.stdout.readline().split()]
-        proc.wait(30)
-        seen = counter.waits(tids)
+        with rawbpf.FutexWaits(proc.pid, int(min_wait_ms * 1e6)) as counter:
+            assert proc.stdout is not None
+            tids = [int(t) for t in proc.stdout.readline().split()]
+            proc.wait(30)
+            seen = counter.waits(tids)
     finally:
-        counter.close()
         proc.kill()
+        proc.wait()
     return "; ".join(f"{want} ms x3: {seen[t][0]} waits, {seen[t][1] / 1e6:.0f} ms" if t in seen else f"{want} ms x3: none"
                      for t, want in zip(tids, (20, 50, 200)))
 

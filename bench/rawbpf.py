@@ -102,12 +102,18 @@ def jump_if(op: str, dst: int, imm: int, label: str) -> tuple:
     return ("jump", {"==": 0x15, "!=": 0x55, "<": 0xA5}[op], dst, 0, imm, label)
 
 
+_libc: ctypes.CDLL | None = None  # loaded at the first call, then kept: map reads call bpf(2) per key
+
+
 def _bpf(cmd: int, attr: bytes) -> int:
+    global _libc
     nr = BPF_NR.get(platform.machine())
     if nr is None:
         raise OSError(f"no bpf(2) number known for {platform.machine()}")
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.syscall.restype = ctypes.c_long
+    libc = _libc
     buf = ctypes.create_string_buffer(attr.ljust(ATTR_SIZE, b"\0"), ATTR_SIZE)
     fd = libc.syscall(nr, cmd, buf, ATTR_SIZE)
     if fd < 0:
@@ -275,6 +281,12 @@ class FutexWaits:
             if slot_tid == tid and n:
                 out[tid] = (n, ns)
         return out
+
+    def __enter__(self) -> FutexWaits:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         for fd in (*reversed(self.fds), self.slots):
