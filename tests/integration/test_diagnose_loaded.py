@@ -12,6 +12,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
@@ -20,6 +21,7 @@ from wedgectl.classify import classify
 from wedgectl.classify.facts import CPU_WAIT_SHARE, Facts
 from wedgectl.collect.processes import STEPPING_ROLES, role_of
 from wedgectl.exitcodes import VERDICT_CODES
+from wedgectl.repro import scrape_snapshot
 from wedgectl.sampler import CERTAIN, engine_stepping
 from wedgectl.types import VerdictKind
 
@@ -116,6 +118,26 @@ class CgroupCpuLimit:
         self.dir.rmdir()
 
 
+def _tokens_stop(url: str, quiet_s: float = 4.0, bound_s: float = 90.0) -> float:
+    """Seconds until the server's generated-token count has held still for quiet_s. Tokens the
+    engine made before the limit bit still drain to the API server for a while after it (the
+    engine's output thread runs in the same starved limit), so a fixed sleep is not enough on a
+    loaded host: the capture then sees a couple of tokens arrive and rightly says progressing."""
+    start = last_change = time.monotonic()
+    last = None
+    with httpx.Client(timeout=5.0) as client:
+        while time.monotonic() - start < bound_s:
+            m = scrape_snapshot(client, url)
+            now = time.monotonic()
+            gen = m.generation_tokens if m is not None else None
+            if gen != last:
+                last, last_change = gen, now
+            elif gen is not None and now - last_change >= quiet_s:
+                return now - start
+            time.sleep(0.5)
+    raise AssertionError(f"tokens still arrived {bound_s:.0f} s into the CPU limit (last count {last})")
+
+
 def test_an_engine_its_cpu_limit_starves_is_not_called_a_deadlock(vllm_python, tmp_path):
     """The `healthy` repro's stream, its EngineCore and Worker then held to 1 ms of CPU a second with
     a busy loop beside them in the same limit: no token comes, the engine's main threads queue for
@@ -126,26 +148,33 @@ def test_an_engine_its_cpu_limit_starves_is_not_called_a_deadlock(vllm_python, t
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=400)
     assert r.stdout.strip(), r.stderr[-3000:]
     pid = json.loads(r.stdout)["pid"]
-    hog = None
+    hogs: list[subprocess.Popen] = []
     try:
         engine = [p.pid for p in psutil.Process(pid).children(recursive=True) if role_of(p) in STEPPING_ROLES]
         assert len(engine) == 2, engine
         with CgroupCpuLimit() as limit:
-            hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for p in (*engine, hog.pid):
+            # Busy loops beside the engine take most of each period's sliver of quota (the quota is
+            # handed out in slices, so a limited group overruns it a little): without them the engine
+            # still makes a token every few seconds.
+            hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+            for p in (*engine, *(h.pid for h in hogs)):
                 limit.add(p)
-            time.sleep(2.0)  # the quota of the period under way runs out
+            # the quota of the period under way runs out, and tokens made before it drain
+            settled = _tokens_stop(json.loads(r.stdout)["url"])
             d = subprocess.run([sys.executable, "-m", "wedgectl", "diagnose", "--pid", str(pid), "--json", "-q",
                                 "--window", "8", "--save-bundle", str(tmp_path / "limited.tar.gz")],
                                capture_output=True, text=True, timeout=120)
-            hog.kill()
-            hog.wait()
+            for h in hogs:
+                h.kill()
+                h.wait()
     finally:
-        if hog is not None and hog.poll() is None:
-            hog.kill()
+        for h in hogs:
+            if h.poll() is None:
+                h.kill()
         _end_session(pid)
     out = json.loads(d.stdout)
-    print(out["verdict"], out["rule"], " | ".join(e["what"] for e in out["evidence"]))
+    print(f"tokens stopped {settled:.1f} s into the limit;", out["verdict"], out["rule"],
+          " | ".join(e["what"] for e in out["evidence"]))
     assert out["verdict"] in ("inconclusive", "progressing") and d.returncode == VERDICT_CODES[VerdictKind(out["verdict"])]
     b = read_bundle(tmp_path / "limited.tar.gz")
     _, waited, span = Facts(b).engine_cpu_wait
@@ -154,6 +183,7 @@ def test_an_engine_its_cpu_limit_starves_is_not_called_a_deadlock(vllm_python, t
     assert waited >= CPU_WAIT_SHARE * span or Facts(b).engine_throttled, (waited, span)
     rules = [classify(replace(b, samples=b.samples[:k])) for k in range(2, len(b.samples) + 1)]
     assert not [v.verdict for v in rules if v.verdict in HANGS], [(v.verdict, v.rule) for v in rules]
+    print("rules over the samples:", [v.rule for v in rules])
     assert "live_engine_waits_for_cpu" in [v.rule for v in rules]
     # the limit itself, read from the engine's cgroup: it ran out of quota in the window's periods
     p, throttled, periods = Facts(b).engine_throttling
