@@ -26,17 +26,17 @@ ratios (traced / the mean of the untraced rounds either side of it):
     python bench/probe_overhead.py --vllm-only --rounds 6 --streams 4
     python bench/probe_overhead.py --work 2000       # a moderate futex rate, nearer a serving engine's
     python bench/probe_overhead.py --backend procfs   # the /proc fallback (costs nothing while it waits)
+    python bench/probe_overhead.py --backend rawtp --each   # the in-process sched_switch back-end
     python bench/probe_overhead.py --min-wait-ms 1    # record waits over 1 ms (default 10)
     python bench/probe_overhead.py --attach-points    # the storm under each attach point's empty program
 
 `--attach-points` measures what a place in the kernel costs by itself: an empty program
 (return 0) on the futex syscall tracepoints futexwait uses (through bpftrace), on the raw
 sys_enter and sys_exit tracepoints, and on the raw sched_switch and sched_wakeup tracepoints
-(both loaded through bpf(2) by bench/rawbpf.py), each interleaved with untraced rounds like
-the probes, beside futexwait itself. No program on an attach point costs less than its empty
-one: the row is the floor for any probe built there. One more row puts futexwait's wait
-counting on sched_switch (bench/rawbpf.py's futex_waits_program, x86_64): first checked on
-threads of known waits, then timed like the others.
+(both loaded through bpf(2) by wedgectl/collect/ebpfraw.py), each interleaved with untraced
+rounds like the probes, beside futexwait itself on the bpftrace back-end and on the rawtp one
+(its work on raw sched_switch, in-process). No program on an attach point costs less than its
+empty one: the row is the floor for any probe built there.
 
 Needs root (or CAP_BPF + CAP_PERFMON) for the eBPF back-ends. Goals (issue
 14): futexwait on the storm >= 0.97; every probe on the vLLM server >= 0.99.
@@ -55,10 +55,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator
 
-import rawbpf
-
 from wedgectl import probes as programs
-from wedgectl.collect import ebpf, ebpfhost, procfs
+from wedgectl.collect import ebpf, ebpfhost, ebpfraw, procfs
 from wedgectl.types import ProbeResult, ThreadProbe
 
 GOALS = {"storm": 0.97, "vllm": 0.99}
@@ -196,77 +194,42 @@ def bpftrace_empty(tracepoints: tuple[str, ...], timeout_s: float = 60.0) -> Ite
 # (label, how it is loaded, the context manager that holds it attached)
 ATTACH_POINTS: list[tuple[str, str, Callable[[], ContextManager[None]]]] = [
     ("futex syscall tps", "bpftrace", lambda: bpftrace_empty(programs.load_probe("futexwait").TRACEPOINTS)),
-    ("raw sys_enter/exit", "bpf(2)", lambda: rawbpf.attached(("sys_enter", "sys_exit"))),
-    ("raw sched_switch/wakeup", "bpf(2)", lambda: rawbpf.attached(("sched_switch", "sched_wakeup"))),
+    ("raw sys_enter/exit", "bpf(2)", lambda: ebpfraw.attached(("sys_enter", "sys_exit"))),
+    ("raw sched_switch/wakeup", "bpf(2)", lambda: ebpfraw.attached(("sched_switch", "sched_wakeup"))),
 ]
 
 
 def attach_rows(args: argparse.Namespace) -> list:
-    """The storm under each attach point's empty program, and under futexwait, interleaved with
-    untraced rounds: rows as storm_rows makes them."""
+    """The storm under each attach point's empty program, and under futexwait on bpftrace and on
+    rawtp, interleaved with untraced rounds: rows as storm_rows makes them."""
     work = Workload(args.pairs, args.work)
     rows = []
 
     def untraced() -> dict:
         return phase(work, args.seconds, None, args.backend)
 
-    counting = ("sched_switch futex waits", "bpf(2)",
-                lambda: rawbpf.FutexWaits(work.proc.pid, int(args.min_wait_ms * 1e6)))
     try:
         time.sleep(1.5)
-        for label, how, hold in [*ATTACH_POINTS, counting]:
+        for label, how, hold in ATTACH_POINTS:
             def held(hold_: Callable[[], ContextManager[object]] = hold) -> dict:
                 with hold_():
                     return untraced()
 
             off, on, _ = interleaved(args.rounds, untraced, held)
             rows.append({"label": label, "backend": how, "off": off, "on": on})
-        off, on, seen = interleaved(args.rounds, untraced,
-                                    lambda: phase(work, args.seconds, ("futexwait",), args.backend,
-                                                  args.min_wait_ms / 1000))
-        rows.append({"label": "futexwait", "backend": seen[-1].get("backend"), "off": off, "on": on})
+        for backend in ("bpftrace", "rawtp"):
+            off, on, seen = interleaved(args.rounds, untraced,
+                                        lambda b=backend: phase(work, args.seconds, ("futexwait",), b,
+                                                                args.min_wait_ms / 1000))
+            rows.append({"label": "futexwait", "backend": seen[-1].get("backend"), "off": off, "on": on})
     finally:
         work.stop()
     return rows
 
 
-WAITER = r"""
-import sys, threading, time
-def wait(s):
-    for _ in range(3):
-        threading.Event().wait(s)
-        sum(range(100000))
-time.sleep(0.5)
-ts = [threading.Thread(target=wait, args=(s,)) for s in (0.02, 0.05, 0.2)]
-[t.start() for t in ts]
-print(" ".join(str(t.native_id) for t in ts), flush=True)
-[t.join() for t in ts]
-time.sleep(0.3)
-"""
-
-
-def check_futex_waits(min_wait_ms: float) -> str:
-    """What rawbpf.FutexWaits counts for threads that each wait three times on an Event (a futex
-    wait) for 20, 50 and 200 ms: the program measures what it is said to, or the row means nothing."""
-    proc = subprocess.Popen([sys.executable, "-c", WAITER], stdout=subprocess.PIPE, text=True)
-    try:
-        with rawbpf.FutexWaits(proc.pid, int(min_wait_ms * 1e6)) as counter:
-            assert proc.stdout is not None
-            tids = [int(t) for t in proc.stdout.readline().split()]
-            proc.wait(30)
-            seen = counter.waits(tids)
-    finally:
-        proc.kill()
-        proc.wait()
-    return "; ".join(f"{want} ms x3: {seen[t][0]} waits, {seen[t][1] / 1e6:.0f} ms" if t in seen else f"{want} ms x3: none"
-                     for t, want in zip(tids, (20, 50, 200)))
-
-
 def print_attach(args: argparse.Namespace, rows: list) -> None:
     print(f"futex storm: {args.pairs} thread pairs, {args.work} loop iterations per hand-off; each attach point "
-          "with an empty program (the floor for any probe there), then futexwait itself")
-    print("sched_switch futex waits: futexwait's wait counting at switch-out only (bench/rawbpf.py), checked on "
-          f"threads of known waits over {args.min_wait_ms:g} ms: {check_futex_waits(args.min_wait_ms)}")
+          "with an empty program (the floor for any probe there), then futexwait itself on bpftrace and on rawtp")
     print(f"{'attach point':<24} {'loaded by':<9} {'untraced/s':>10} {'traced/s':>9} {'ratio':>6} {'paired':>6}  goal")
     for r in rows:
         m_off, m_on = statistics.median(r["off"]), statistics.median(r["on"])

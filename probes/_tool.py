@@ -23,7 +23,7 @@ def parser(prog: str, summary: str, epilog: str) -> argparse.ArgumentParser:
     p.add_argument("--min-wait-ms", type=float, default=DEFAULT_MIN_WAIT_MS,
                    help=f"record only waits that outlast this, in ms (default {DEFAULT_MIN_WAIT_MS:g}); "
                         "shorter ones cost one map write and read and leave nothing")
-    p.add_argument("--backend", choices=("auto", "bcc", "bpftrace", "procfs"), default="auto",
+    p.add_argument("--backend", choices=("auto", "bcc", "bpftrace", "rawtp", "procfs"), default="auto",
                    help="force a back-end (default: the best this host supports)")
     p.add_argument("--max-entries", type=int, default=4096, help="entries per BPF map (default 4096)")
     p.add_argument("--no-children", action="store_true", help="trace the given pids only, not their descendants")
@@ -77,6 +77,9 @@ def program_text(probes: Sequence[str], pids: Sequence[int], args: argparse.Name
     from wedgectl.collect import ebpf
 
     min_wait_s = args.min_wait_ms / 1000
+    if args.backend == "rawtp":
+        return ("# rawtp has no program text: wedgectl/collect/ebpfraw.py assembles its sched_switch program "
+                "and loads it through bpf(2)\n")
     if args.backend == "bcc":
         return ebpf.bcc_program(probes, pids, args.max_entries, min_wait_s=min_wait_s) + "\n"
     libs: list[str] = []

@@ -217,6 +217,7 @@ def thread_fields(maps: Maps, w: Window, traced: bool) -> dict[int, dict[str, An
     for key, calls in table(maps, "fw_wakes").items():
         if isinstance(key, tuple) and len(key) == 3:
             wakes.setdefault((key[0], key[1]), {})[key[2]] = int(calls)
+    wakes_traced = "fw_wakes" not in maps.get("untraced", ())  # rawtp sees no FUTEX_WAKE: unknown, not 0
     at_map = table(maps, "fw_at")
     nwaits, carried, wait_ns = table(maps, "fw_nwaits"), table(maps, "fw_carried"), table(maps, "fw_wait_ns")
     out: dict[int, dict[str, Any]] = {}
@@ -251,7 +252,7 @@ def thread_fields(maps: Maps, w: Window, traced: bool) -> dict[int, dict[str, An
                 total += max(0.0, min(w.end, ref) - max(start, w.begin))
                 waits += int(source == "tracepoint" and ref - start >= w.min_wait_s)
             total = min(total, w.seconds)
-            if addr is not None:
+            if addr is not None and wakes_traced:
                 by = wakes.get((st.pid, addr), {})
                 wake_calls, wakers = sum(by.values()), tuple(sorted(by))
         out[tid] = {

@@ -519,6 +519,9 @@ def test_fallback_order_forcing_each_backend_off(tmp_path: Path, monkeypatch: py
     assert "disabled" in _names(statuses)["bcc"].reason
     monkeypatch.setenv(ebpfhost.DISABLE_ENV, "bcc,bpftrace")
     statuses = ebpfhost.detect_backends(host=host)
+    assert ebpfhost.choose_backend(statuses).name == "rawtp"
+    monkeypatch.setenv(ebpfhost.DISABLE_ENV, "bcc,bpftrace,rawtp")
+    statuses = ebpfhost.detect_backends(host=host)
     assert ebpfhost.choose_backend(statuses).name == "procfs"
     statuses = ebpfhost.detect_backends(host=host, disable={"procfs"})
     assert ebpfhost.choose_backend(statuses) is None
@@ -644,10 +647,10 @@ def test_sampler_off_starts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cli_probes_reports_each_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     from wedgectl.cli import app
 
-    monkeypatch.setenv(ebpfhost.DISABLE_ENV, "bcc,bpftrace")
+    monkeypatch.setenv(ebpfhost.DISABLE_ENV, "bcc,bpftrace,rawtp")
     r = CliRunner().invoke(app, ["probes"], env={"COLUMNS": "80"})
     assert r.exit_code == probes.EXIT_NO_BACKEND, r.output
-    assert "bcc" in r.output and "bpftrace" in r.output and "procfs    yes <- used" in r.output
+    assert "bcc" in r.output and "bpftrace" in r.output and "rawtp" in r.output and "procfs    yes <- used" in r.output
     assert "disabled" in r.output and "futexwait" in r.output and "overhead" in r.output
     r = CliRunner().invoke(app, ["probes", "--json"])
     data = json.loads(r.output)

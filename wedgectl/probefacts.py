@@ -80,7 +80,7 @@ def probe_evidence(samples: Sequence[Sample], most: int = 4) -> list[Evidence]:
     for t, role in parked_threads(samples)[:most]:
         who = f"{ROLE_LABELS[role]} main thread" if t.is_main else f"{ROLE_LABELS[role]} thread {t.comm}"
         if t.wakes_on_addr is None:
-            wake = "wakes not traced (procfs)"
+            wake = f"wakes not traced ({t.backend})"
         else:
             wake = f"no wake on that address in the {t.window_s:.1f} s window"
         out.append(Evidence(

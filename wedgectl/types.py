@@ -250,6 +250,7 @@ class ProbeBackend(str, enum.Enum):
     AUTO = "auto"
     BCC = "bcc"
     BPFTRACE = "bpftrace"
+    RAWTP = "rawtp"
     PROCFS = "procfs"
 
 

@@ -108,18 +108,19 @@ def _proc_futex(pid: int, tid: int) -> int | None:
 
 
 @needs_ebpf
-def test_deadlock_parked_before_attach_bpftrace(spawn: Callable[..., Target]) -> None:
+@pytest.mark.parametrize("backend", ["bpftrace", "rawtp"])
+def test_deadlock_parked_before_attach(spawn: Callable[..., Target], backend: str) -> None:
     t_spawn, wall_spawn, steal = time.monotonic(), time.time(), Steal()
     target = spawn(TARGETS / "deadlock.py")
     info = target.expect("ready")
     t_ready, wall_ready = time.monotonic(), time.time()  # both threads were parked (in the second acquire) by now
     time.sleep(3.0)
     t_call = time.monotonic()
-    records, failures = ebpf.run_probes([target.pid], 2.0, backend="bpftrace")
+    records, failures = ebpf.run_probes([target.pid], 2.0, backend=backend)
     t_done, stolen = time.monotonic(), steal.since()
     assert not [f for f in failures if f.kind.value != "gone"], failures
     header, threads = _header(records), _threads(records)
-    assert header["backend"] == "bpftrace" and header["probes"] == ["futexwait", "offcpu"]
+    assert header["backend"] == backend and header["probes"] == ["futexwait", "offcpu"]
     assert 1.5 < header["window_s"] < 4.0
     for key in ("a", "b"):
         t = threads[info[key]]
@@ -129,7 +130,8 @@ def test_deadlock_parked_before_attach_bpftrace(spawn: Callable[..., Target]) ->
         # parked before the probe attached: the wait counts from the park (3 s and more before the window), not the attach
         assert_wait_spans(t["wait_s"], (t_spawn, t_ready), (t_call + header["window_s"], t_done), short_by=stolen)
         assert t["wait_s"] > 3.0 + header["window_s"] - 0.1 - stolen
-        assert t["wakes_on_addr"] == 0 and t["wakers"] == [] and t["waits"] == 0
+        # rawtp sees no FUTEX_WAKE calls: how many were made is unknown, not none
+        assert t["wakes_on_addr"] == (0 if backend == "bpftrace" else None) and t["wakers"] == [] and t["waits"] == 0
         assert t["oncpu_s"] < 0.05 and t["offcpu_s"] > 0.9 * t["window_s"]
         assert wall_spawn - 0.1 <= t["wait_started"] <= wall_ready + 0.1 + stolen, \
             (t["wait_started"], wall_spawn, wall_ready, stolen)
@@ -241,10 +243,12 @@ def test_pylockwait_lock_pointer_is_the_futex_address(spawn: Callable[..., Targe
 
 
 @needs_ebpf
-def test_spinner_and_parked_thread_read_differently(spawn: Callable[..., Target]) -> None:
+@pytest.mark.parametrize("backend", ["bpftrace", "rawtp"])
+def test_spinner_and_parked_thread_read_differently(spawn: Callable[..., Target], backend: str) -> None:
     target = spawn(TARGETS / "spinner.py")
     spinner = target.expect("ready")["spinner"]
-    records, failures = ebpf.run_probes([target.pid], 2.0, backend="bpftrace")
+    records, failures = ebpf.run_probes([target.pid], 2.0, backend=backend)
+    assert _header(records)["backend"] == backend, failures
     threads = _threads(records)
     spin, main = threads[spinner], threads[target.pid]
     print(f"spinner {spin}\nmain {main}")
@@ -264,7 +268,8 @@ def test_fallback_order_on_a_real_deadlock(spawn: Callable[..., Target], monkeyp
     t_ready = time.monotonic()
     addr = _proc_futex(target.pid, info["a"])
     seen = {}
-    for disabled, want in (("", ("bcc", "bpftrace")), ("bcc", ("bpftrace",)), ("bcc,bpftrace", ("procfs",))):
+    for disabled, want in (("", ("bcc", "bpftrace")), ("bcc", ("bpftrace",)), ("bcc,bpftrace", ("rawtp",)),
+                           ("bcc,bpftrace,rawtp", ("procfs",))):
         monkeypatch.setenv(ebpfhost.DISABLE_ENV, disabled)
         t_call = time.monotonic()
         records, _ = ebpf.run_probes([target.pid], 1.0)
@@ -277,17 +282,19 @@ def test_fallback_order_on_a_real_deadlock(spawn: Callable[..., Target], monkeyp
         skipped = {s["backend"]: s["reason"] for s in header["skipped"]}
         if header["backend"] == "procfs":
             assert t["wakes_on_addr"] is None and t["waits"] is None
-            assert "disabled" in skipped["bpftrace"] and "bcc" in skipped
+            assert "disabled" in skipped["bpftrace"] and "disabled" in skipped["rawtp"] and "bcc" in skipped
+        elif header["backend"] == "rawtp":  # it sees no wake calls: unknown, not none
+            assert t["wakes_on_addr"] is None and t["waits"] == 0 and t["parked_throughout"] is True
         else:
             assert t["wakes_on_addr"] == 0
         if "bcc" in skipped:
             print(f"{disabled or 'nothing'} off -> {header['backend']}; bcc skipped: {skipped['bcc']}")
     # every back-end off: still a /proc reading, said so
-    monkeypatch.setenv(ebpfhost.DISABLE_ENV, "bcc,bpftrace,procfs")
+    monkeypatch.setenv(ebpfhost.DISABLE_ENV, "bcc,bpftrace,rawtp,procfs")
     records, _ = ebpf.run_probes([target.pid], 0.5)
     assert "every back-end is disabled" in _header(records)["reason"]
     # "on" with no eBPF back-end: the data, and a failure that says why
-    monkeypatch.setenv(ebpfhost.DISABLE_ENV, "bcc,bpftrace")
+    monkeypatch.setenv(ebpfhost.DISABLE_ENV, "bcc,bpftrace,rawtp")
     records, failures = ebpf.run_probes([target.pid], 0.5, mode="on")
     assert any(f.kind.value == "missing_tool" and "--ebpf on" in f.message for f in failures)
     print(f"back-ends chosen: {seen}")
@@ -446,3 +453,73 @@ def test_diagnose_json_carries_per_thread_probe_results(spawn: Callable[..., Tar
                        timeout=60, cwd=REPO)
     assert r.returncode == 0 and "<- used" in r.stdout
     print(r.stdout)
+
+
+# --- rawtp: the counts at the scheduler, on waits of known length ------------------------
+
+KNOWN_WAITS = textwrap.dedent(
+    """
+    import sys, threading, time
+    from _announce import announce, wait_until_parked
+
+    parked = threading.Event()  # set once the window is under way: a wait begun before the attach
+    def waiter(s):
+        for _ in range(3):
+            threading.Event().wait(s)
+            sum(range(100000))
+        time.sleep(60)  # alive at the window's end, and not in a futex wait
+    def carried():
+        parked.wait()
+        time.sleep(60)
+    c = threading.Thread(target=carried, daemon=True); c.start()
+    wait_until_parked(c.native_id)
+    announce("ready", carried=c.native_id)
+    sys.stdin.readline()
+    ts = [threading.Thread(target=waiter, args=(s,), daemon=True) for s in (0.001, 0.1, 0.3)]
+    [t.start() for t in ts]
+    announce("started", tids=[t.native_id for t in ts])
+    time.sleep(1.5)
+    t = time.monotonic()
+    parked.set()
+    announce("released", t=t)
+    sys.stdin.readline()
+    """
+)
+
+
+@needs_ebpf
+def test_rawtp_counts_known_waits_and_a_carried_one(spawn: Callable[..., Target], tmp_path: Path) -> None:
+    """Threads that each wait three times on an Event for 1, 100 and 300 ms, and one parked since
+    before the attach and released in the window: rawtp counts the waits over a 50 ms threshold
+    and sums them, leaves the 1 ms ones out, and counts the parked one's wait from the attach as
+    carried, not as a wait of its own. Bounds, not exact counts, where a loaded host can stretch a
+    short wait (a wait ends when its thread is back on a CPU) or add one (the GIL is a futex too)."""
+    script = tmp_path / "known.py"
+    script.write_text(KNOWN_WAITS)
+    target = spawn(script, stdin=subprocess.PIPE)
+    carried = target.expect("ready")["carried"]
+    run = ebpf.start_probes([target.pid], "on", backend="rawtp", max_s=30, min_wait_s=0.05)
+    try:
+        assert run.backend.name == "rawtp", run.failures
+        t_attached = time.monotonic()
+        target.proc.stdin.write(b"go\n")
+        target.proc.stdin.flush()
+        tids = target.expect("started")["tids"]
+        t_released = target.expect("released", timeout=30)["t"]
+        time.sleep(0.5)
+    finally:
+        records, failures = run.stop()
+    assert not failures, failures
+    header, threads = _header(records), _threads(records)
+    assert header["backend"] == "rawtp" and header["wakes"] == [] and "50 ms" in header["reason"]
+    short, mid, long_ = (threads[t] for t in tids)
+    print(f"1 ms: {short}\n100 ms: {mid}\n300 ms: {long_}\ncarried: {threads[carried]}")
+    assert short["waits"] <= 1 and short["total_wait_s"] < 0.1 + (0.2 if short["waits"] else 0)
+    for t, each in ((mid, 0.1), (long_, 0.3)):
+        assert 3 <= t["waits"] <= 4 and t["futex_addr"] is None and t["wakes_on_addr"] is None
+        # each at least as long as asked (the end is the thread's return to a CPU, later on a loaded host)
+        assert 3 * each - 0.005 <= t["total_wait_s"] <= t["window_s"]
+    # the parked thread's wait counts from the attach to its release, as carried: not one of its waits
+    c = threads[carried]
+    assert c["waits"] == 0 and c["futex_addr"] is None and not c["parked_throughout"]
+    assert t_released - t_attached - 0.05 <= c["total_wait_s"] <= c["window_s"]

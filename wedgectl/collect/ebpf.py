@@ -225,6 +225,8 @@ class ProbeRun:
         self.libs: list[str] = []
         self.program = ""
         self._proc: subprocess.Popen | None = None
+        self._raw: Any = None  # the rawtp back-end's ebpfraw.SchedProbe, in-process
+        self._raw_timer: threading.Timer | None = None
         self._lines: list[str] = []
         self._ready = threading.Event()
         self._reader: threading.Thread | None = None
@@ -285,6 +287,9 @@ class ProbeRun:
             self.failures.append(CollectorFailure(COLLECTOR, FailureKind.MISSING_TOOL,
                                                   "pylockwait: no libpython found in the target pids' maps"))
         self.probes = probes
+        if self.backend.name == "rawtp":
+            self._launch_raw()
+            return
         self._stderr = tempfile.TemporaryFile(mode="w+")
         if self.backend.name == "bpftrace":
             self.program = bpftrace_program(probes, self.pids, self.max_s, self.libs, min_wait_s=self.min_wait_s)
@@ -326,6 +331,31 @@ class ProbeRun:
             self._tmp.unlink()
         self._tmp = None
 
+    def _launch_raw(self) -> None:
+        """The rawtp back-end: the program loaded and attached in this process, threads already in a
+        futex wait seeded (their waits are carried), and a timer that detaches it at max_s, as the
+        other back-ends' programs end themselves."""
+        from wedgectl.collect import ebpfraw
+
+        waits = load_probe("futexwait").WAIT_CMDS
+        seeds = {tid: st.futex_addr or 0 for tid, st in self._start_states.items()
+                 if st.in_futex_wait and (st.thread.futex_op is None or st.thread.futex_op & 0x7F in waits)}
+        self._raw = ebpfraw.SchedProbe(self.pids, self.probes, int(round(self.min_wait_s * 1e9)), seeds,
+                                       tids=self._start_states, wait_cmds=waits)
+        try:
+            self.program = self._raw.describe()
+            self._raw_timer = threading.Timer(self.max_s, self._raw.detach)
+            self._raw_timer.daemon = True
+            self._raw_timer.start()
+        except BaseException:
+            self._raw.close()
+            self._raw = None
+            raise
+        self._begin = self._ready_at = self._raw.t_begin / 1e9
+        states, _ = procfs.read_thread_scheds(self.pids, self.proc_root)
+        if states:
+            self._start_states = states
+
     def _abort(self) -> None:
         """Detach after Ctrl-C mid-attach: as _teardown, but a second Ctrl-C kills the child at once.
         Nothing of the program's output is kept (it never reported a window)."""
@@ -360,6 +390,10 @@ class ProbeRun:
         """Detach: SIGINT (bpftrace and the bcc runner print their maps and exit), SIGKILL after grace. True if clean."""
         grace = STOP_TIMEOUT_S if grace is None else grace
         clean = True
+        if self._raw is not None:
+            if self._raw_timer is not None:
+                self._raw_timer.cancel()
+            self._raw.detach()
         proc = self._proc
         if proc is not None and proc.poll() is None:
             # SIGINT again each second: one that lands between bpftrace's check of its exit flag
@@ -416,8 +450,23 @@ class ProbeRun:
                 end = t_end / 1e9
             else:
                 end = min(end, self._begin + self.max_s)
+        elif self._raw is not None:
+            self._teardown()
+            end = (self._raw.t_end or time.monotonic_ns()) / 1e9
         end_states, fails = procfs.read_thread_scheds(self.pids, self.proc_root)
         end_read_at = time.monotonic()
+        if self._raw is not None:
+            try:
+                maps = self._raw.read({*self._start_states, *end_states})
+            except OSError as exc:
+                self._fall_back(f"rawtp's counts could not be read: {exc}")
+                self._begin, maps = self._ready_at or self._begin, {}
+            finally:
+                self._raw.close()
+            if lost := maps.get("slot_lost"):
+                self.failures.append(CollectorFailure(
+                    COLLECTOR, FailureKind.ERROR, f"rawtp: {len(lost)} threads shared a map slot with another "
+                    f"thread; their wait and block counts are missing: {', '.join(map(str, lost[:8]))}"))
         self.failures += [f for f in fails if f.kind is not FailureKind.GONE or not end_states]
         if self._stderr is not None:
             with contextlib.suppress(OSError):
@@ -450,7 +499,7 @@ class ProbeRun:
 
     def wait(self, seconds: float) -> None:
         """Until the window of `seconds` is over: the program exits by itself then (bounded by STOP_TIMEOUT_S more)."""
-        if self._proc is None or self._proc.poll() is not None:
+        if self._proc is None or self._proc.poll() is not None:  # rawtp too: its timer detaches it
             time.sleep(max(0.0, seconds - (time.monotonic() - self._begin)))
             return
         with contextlib.suppress(subprocess.TimeoutExpired):

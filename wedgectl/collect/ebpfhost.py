@@ -26,8 +26,8 @@ from wedgectl.lifecycle import run_bounded
 from wedgectl.probes import DEFAULT_PROBES, load_probe
 from wedgectl.types import BackendStatus
 
-BACKENDS = ("bcc", "bpftrace", "procfs")
-EBPF_BACKENDS = ("bcc", "bpftrace")
+BACKENDS = ("bcc", "bpftrace", "rawtp", "procfs")
+EBPF_BACKENDS = ("bcc", "bpftrace", "rawtp")
 DISABLE_ENV = "WEDGECTL_PROBES_DISABLE"  # e.g. "bcc,bpftrace": force the fallback order in tests
 NO_MOUNT_ENV = "WEDGECTL_NO_MOUNT_TRACEFS"  # any value: never mount tracefs, use what is mounted
 MAX_ENTRIES = 4096  # per BPF map
@@ -42,6 +42,7 @@ class Host:
     which: Callable[[str], str | None] = shutil.which
     euid: Callable[[], int] = os.geteuid
     release: str = field(default_factory=platform.release)
+    machine: str = field(default_factory=platform.machine)
     cap_eff: Callable[[], int | None] = lambda: _cap_eff()
     mount_tracefs: bool = True  # try `mount -t tracefs` when it is missing (live hosts, NO_MOUNT_ENV unset)
     say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
@@ -204,6 +205,29 @@ def check_bpftrace(host: Host, probes: Sequence[str], tracefs: Path | None, trac
     return BackendStatus("bpftrace", True, reason)
 
 
+def check_rawtp(host: Host, probes: Sequence[str], verify: bool = False) -> BackendStatus:
+    """The in-process back-end (collect/ebpfraw.py): futexwait and offcpu on raw sched_switch, loaded
+    through bpf(2); no tracefs, no tool to install, no wake tracing."""
+    from wedgectl.collect import ebpfraw
+
+    if (why := ebpfraw.unsupported(probes, host.machine, host.release)) is not None:
+        return BackendStatus("rawtp", False, why)
+    if (why := _privileged(host)) is not None:
+        return BackendStatus("rawtp", False, why)
+    btf = host.root / "sys/kernel/btf/vmlinux"
+    if not btf.exists():
+        return BackendStatus("rawtp", False, f"no kernel BTF at {btf} (CONFIG_DEBUG_INFO_BTF): the program reads "
+                             "task fields at the offsets it gives")
+    if verify and host.root == Path("/"):
+        try:
+            with ebpfraw.SchedProbe([os.getpid()], tuple(probes), 0, {}, wait_cmds=load_probe("futexwait").WAIT_CMDS):
+                pass
+        except (OSError, ValueError) as exc:
+            return BackendStatus("rawtp", False, f"rawtp could not load: {exc}")
+    return BackendStatus("rawtp", True, f"{' + '.join(probes)} on raw sched_switch through bpf(2), in-process; "
+                         f"BTF at {btf}; no wake tracing (who called FUTEX_WAKE is not seen)")
+
+
 def check_procfs(host: Host, proc_root: Path = PROC) -> BackendStatus:
     sched = proc_root / "self" / "sched"
     try:
@@ -239,6 +263,8 @@ def detect_backends(probes: Sequence[str] = DEFAULT_PROBES, host: Host = Host(),
             out.append(check_bcc(host, probes, tracefs, tracefs_why, verify))
         elif name == "bpftrace":
             out.append(check_bpftrace(host, probes, tracefs, tracefs_why, verify))
+        elif name == "rawtp":
+            out.append(check_rawtp(host, probes, verify))
         else:
             out.append(check_procfs(host, proc_root))
     return tuple(out)

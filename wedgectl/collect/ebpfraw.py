@@ -1,0 +1,526 @@
+"""The rawtp back-end: futexwait's and offcpu's work on the raw sched_switch tracepoint, in-process.
+
+No bpftrace, no compiler, no child process: the program is assembled here, loaded with
+bpf(2) BPF_PROG_LOAD and attached with BPF_RAW_TRACEPOINT_OPEN; closing the two
+descriptors detaches it, so it cannot outlive wedgectl (a SIGKILL closes them too).
+
+Why the scheduler and not the futex syscall: on the futex storm an *empty* program on the
+futex syscall tracepoints already costs 11-15 % of throughput (every syscall on the host
+takes the slow path, and each futex call fills a perf record), while one on raw
+sched_switch costs 0-2 % (bench/probe_overhead.py --attach-points). A futex wait long
+enough to matter always shows at the scheduler: the thread sleeps in FUTEX_WAIT and is
+switched out, and is switched back in when woken.
+
+What runs, on the switch-out of a thread of the target tgids only (another process's switch
+costs a helper call, a load and a compare per tgid), with one array slot per thread:
+
+- futexwait: a thread that sleeps (prev_state != 0) inside the futex syscall with a wait op
+  has (now, address) put in its slot. At its next switch-out, of any kind, that wait has
+  ended: it ended when the thread got the CPU back, now less the CPU time it has run since
+  (se.sum_exec_runtime - se.prev_sum_exec_runtime). A wait that outlasted the threshold is
+  counted and summed. If the two clocks disagree (more CPU time than the whole span), the
+  wait is not counted. A thread already in a futex wait when the program attached (read
+  from /proc/PID/task/TID/syscall) gets its slot seeded: its wait, once it ends, is counted
+  from the attach as "carried", as the tracepoint version counts it.
+- offcpu: what the time since the thread's previous switch-out holds beyond its CPU time and
+  its run-queue time (se.sum_exec_runtime, sched_info.run_delay), it spent blocked; blocks
+  over the threshold are counted and summed.
+
+What it does not do: FUTEX_WAKE calls (who woke which address) are not traced, so the wake
+table is empty and each thread's wakes are unknown (None), not zero; nor pylockwait (a
+uprobe). Fields are read through bpf_get_current_task_btf and bpf_task_pt_regs at the
+offsets the kernel's BTF (/sys/kernel/btf/vmlinux) gives, and the verifier checks each load
+against it. Needs x86_64 (the futex syscall number, pt_regs), Linux 5.18 or later (the
+tracepoint's prev_state argument; the helpers are 5.11 and 5.15), BTF, and root or
+CAP_BPF + CAP_PERFMON.
+
+A slot is tid % modulus, the modulus picked so that the threads present at the attach each
+get their own; a thread that appears later and lands on a taken slot takes it over, and
+whichever thread lost it is reported (read(): "slot_lost").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import platform
+import struct
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Union
+
+BTF_PATH = Path("/sys/kernel/btf/vmlinux")
+BPF_NR = {"x86_64": 321, "aarch64": 280, "arm64": 280, "ppc64le": 361, "s390x": 351, "riscv64": 280}
+FUTEX_NR = {"x86_64": 202}  # the program reads the syscall number and its arguments from x86_64's pt_regs
+MIN_KERNEL = (5, 18)  # sched_switch's prev_state argument
+PROBES = ("futexwait", "offcpu")
+
+BPF_MAP_CREATE, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_PROG_LOAD, BPF_RAW_TRACEPOINT_OPEN = 0, 1, 2, 5, 17
+BPF_MAP_TYPE_ARRAY = 2
+BPF_PROG_TYPE_RAW_TRACEPOINT = 17
+ATTR_SIZE = 128  # union bpf_attr, zero-padded: the kernel reads the fields it knows
+LOG_SIZE = 1 << 16
+
+# Helpers by number (include/uapi/linux/bpf.h)
+MAP_LOOKUP_ELEM, KTIME_GET_NS, GET_CURRENT_TASK_BTF, TASK_PT_REGS = 1, 5, 158, 175
+
+# One slot per thread, u64 fields in this order.
+FIELDS = ("tid", "since", "addr", "nwaits", "wait_ns", "carried_open", "ncarried", "seen",
+          "oc_at", "oc_run", "oc_rq", "oc_nblocked", "oc_blocked_ns")
+OFF = {name: 8 * i for i, name in enumerate(FIELDS)}
+SLOT = 8 * len(FIELDS)
+MAX_SLOTS = 1 << 16  # 6.8 MB of kernel memory at most
+MODULUS_TRIES = 512
+
+
+# --- instructions ------------------------------------------------------------------------
+
+def insn(op: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
+    """One eBPF instruction: opcode, dst/src registers in one byte, 16-bit offset, 32-bit immediate."""
+    return struct.pack("<BBhi", op, (src << 4) | dst, off, imm)
+
+
+EMPTY = insn(0xB7, 0, imm=0) + insn(0x95)  # r0 = 0; exit
+
+Item = Union[bytes, tuple]  # an instruction, ("label", name), or ("jump", op, dst, src, imm, label)
+
+_JUMP_IMM = {"==": 0x15, "!=": 0x55, "<": 0xA5}
+_JUMP_REG = {"==": 0x1D, "!=": 0x5D, "<": 0xAD, ">": 0x2D}
+
+
+def assemble(items: Sequence[Item]) -> bytes:
+    """Instructions with named jump targets: ("label", name) marks a place, and
+    ("jump", op, dst, src, imm, name) a conditional or plain jump to it."""
+    at: dict[str, int] = {}
+    n = 0
+    for it in items:
+        if isinstance(it, tuple) and it[0] == "label":
+            if it[1] in at:
+                raise ValueError(f"label {it[1]!r} twice")
+            at[it[1]] = n
+        else:
+            n += len(it) // 8 if isinstance(it, bytes) else 1
+    out, n = [], 0
+    for it in items:
+        if isinstance(it, bytes):
+            out.append(it)
+            n += len(it) // 8
+        elif it[0] == "jump":
+            _, op, dst, src, imm, name = it
+            out.append(insn(op, dst, src, at[name] - n - 1, imm))
+            n += 1
+    return b"".join(out)
+
+
+def ld_map(reg: int, fd: int) -> bytes:
+    """reg = the map of this descriptor (a two-slot load the kernel rewrites to the map's address)."""
+    return insn(0x18, reg, 1, 0, fd) + insn(0, 0, 0, 0, 0)
+
+
+def ld_imm64(reg: int, value: int) -> bytes:
+    lo, hi = struct.unpack("<ii", struct.pack("<Q", value & (2**64 - 1)))
+    return insn(0x18, reg, 0, 0, lo) + insn(0, 0, 0, 0, hi)
+
+
+def mov(dst: int, src: int) -> bytes:
+    return insn(0xBF, dst, src)
+
+
+def mov_imm(dst: int, imm: int) -> bytes:
+    return insn(0xB7, dst, imm=imm)
+
+
+def add(dst: int, src: int) -> bytes:
+    return insn(0x0F, dst, src)
+
+
+def add_imm(dst: int, imm: int) -> bytes:
+    return insn(0x07, dst, imm=imm)
+
+
+def sub(dst: int, src: int) -> bytes:
+    return insn(0x1F, dst, src)
+
+
+def load64(dst: int, src: int, off: int) -> bytes:
+    return insn(0x79, dst, src, off)
+
+
+def load32(dst: int, src: int, off: int) -> bytes:
+    return insn(0x61, dst, src, off)
+
+
+def store64(dst: int, src: int, off: int) -> bytes:
+    return insn(0x7B, dst, src, off)
+
+
+def call(helper: int) -> bytes:
+    return insn(0x85, imm=helper)
+
+
+def jump_if(op: str, dst: int, imm: int, label: str) -> tuple:
+    """if dst <op> imm goto label (unsigned compares)."""
+    return ("jump", _JUMP_IMM[op], dst, 0, imm, label)
+
+
+def jump_if_reg(op: str, dst: int, src: int, label: str) -> tuple:
+    """if dst <op> src goto label (unsigned compares)."""
+    return ("jump", _JUMP_REG[op], dst, src, 0, label)
+
+
+def goto(label: str) -> tuple:
+    return ("jump", 0x05, 0, 0, 0, label)
+
+
+def label(name: str) -> tuple:
+    return ("label", name)
+
+
+def bump(slot: int, field: str, by: int | None = None) -> list[bytes]:
+    """slot.field += 1 (by None) or += register `by`; r1 is used."""
+    return [load64(1, slot, OFF[field]), add_imm(1, 1) if by is None else add(1, by), store64(slot, 1, OFF[field])]
+
+
+# --- bpf(2) -------------------------------------------------------------------------------
+
+_libc: ctypes.CDLL | None = None  # loaded at the first call, then kept: a read calls bpf(2) per thread
+
+
+def _bpf(cmd: int, attr: bytes) -> int:
+    global _libc
+    nr = BPF_NR.get(platform.machine())
+    if nr is None:
+        raise OSError(f"no bpf(2) number known for {platform.machine()}")
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.syscall.restype = ctypes.c_long
+    buf = ctypes.create_string_buffer(attr.ljust(ATTR_SIZE, b"\0"), ATTR_SIZE)
+    fd = _libc.syscall(nr, cmd, buf, ATTR_SIZE)
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return fd
+
+
+def load(code: bytes = EMPTY) -> int:
+    """A raw-tracepoint program's descriptor; OSError with the verifier's last words when refused."""
+    text = ctypes.create_string_buffer(code, len(code))
+    license_ = ctypes.create_string_buffer(b"GPL")
+    log = ctypes.create_string_buffer(LOG_SIZE)
+    # prog_type, insn_cnt, insns, license, log_level, log_size, log_buf
+    attr = struct.pack("<IIQQIIQ", BPF_PROG_TYPE_RAW_TRACEPOINT, len(code) // 8, ctypes.addressof(text),
+                       ctypes.addressof(license_), 1, LOG_SIZE, ctypes.addressof(log))
+    try:
+        return _bpf(BPF_PROG_LOAD, attr)
+    except OSError as exc:
+        verifier = log.value.decode(errors="replace").strip()
+        raise OSError(exc.errno, f"{exc.strerror}{': ' + verifier[-300:] if verifier else ''}") from None
+
+
+def array_map(value_size: int, entries: int) -> int:
+    """An array map (u32 index) of `entries` zeroed values; its descriptor."""
+    return _bpf(BPF_MAP_CREATE, struct.pack("<IIIII", BPF_MAP_TYPE_ARRAY, 4, value_size, entries, 0))
+
+
+def lookup(map_fd: int, index: int, value_size: int) -> bytes:
+    k = ctypes.create_string_buffer(struct.pack("<I", index), 4)
+    v = ctypes.create_string_buffer(value_size)
+    _bpf(BPF_MAP_LOOKUP_ELEM, struct.pack("<IIQQ", map_fd, 0, ctypes.addressof(k), ctypes.addressof(v)))
+    return v.raw
+
+
+def update(map_fd: int, index: int, value: bytes) -> None:
+    k = ctypes.create_string_buffer(struct.pack("<I", index), 4)
+    v = ctypes.create_string_buffer(value, len(value))
+    _bpf(BPF_MAP_UPDATE_ELEM, struct.pack("<IIQQQ", map_fd, 0, ctypes.addressof(k), ctypes.addressof(v), 0))
+
+
+def attach(prog_fd: int, tracepoint: str) -> int:
+    """Attach a loaded program to a raw tracepoint (e.g. "sched_switch"); the link's descriptor."""
+    name = ctypes.create_string_buffer(tracepoint.encode())
+    return _bpf(BPF_RAW_TRACEPOINT_OPEN, struct.pack("<QI", ctypes.addressof(name), prog_fd))
+
+
+@contextmanager
+def attached(tracepoints: tuple[str, ...], code: bytes = EMPTY) -> Iterator[None]:
+    """The program on each of these raw tracepoints for the with-block; detached after, however it ends."""
+    fds: list[int] = []
+    try:
+        for tp in tracepoints:
+            fds.append(load(code))
+            fds.append(attach(fds[-1], tp))
+        yield
+    finally:
+        for fd in reversed(fds):
+            os.close(fd)
+
+
+# --- the kernel's BTF: where a field of one of its structs sits -----------------------------
+
+_BTF_EXTRA = {1: 4, 3: 12, 14: 4, 17: 4}  # kind: bytes after the type record (INT, ARRAY, VAR, DECL_TAG)
+_BTF_PER_MEMBER = {4: 12, 5: 12, 6: 8, 13: 8, 15: 12, 19: 12}  # STRUCT, UNION, ENUM, FUNC_PROTO, DATASEC, ENUM64
+
+
+def btf_offsets(wanted: dict[str, set[str]], data: bytes) -> dict[str, dict[str, int]]:
+    """Byte offsets of these direct fields of these structs, from BTF `data` (the type section:
+    a record per type, with a kind-dependent tail). One pass over the types. ValueError when a
+    struct or field is missing, or the data is not BTF."""
+    if len(data) < 24:
+        raise ValueError("BTF too short")
+    magic, _, _, hdr_len, type_off, type_len, str_off, _ = struct.unpack_from("<HBBIIIII", data, 0)
+    if magic != 0xEB9F:
+        raise ValueError("not BTF")
+    strings = hdr_len + str_off
+
+    def name(off: int) -> str:
+        end = data.find(b"\0", strings + off)
+        return data[strings + off:end if end >= 0 else len(data)].decode(errors="replace")
+
+    found: dict[str, dict[str, int]] = {}
+    pos, end = hdr_len + type_off, min(len(data), hdr_len + type_off + type_len)
+    try:
+        while pos + 12 <= end and len(found) < len(wanted):
+            name_off, info, _ = struct.unpack_from("<III", data, pos)
+            pos += 12
+            kind, vlen, bitfield_offsets = (info >> 24) & 0x1F, info & 0xFFFF, info >> 31
+            if kind == 4 and (sname := name(name_off)) in wanted and sname not in found:
+                fields = {}
+                for i in range(vlen):
+                    m_name, _, m_off = struct.unpack_from("<III", data, pos + 12 * i)
+                    if (n := name(m_name)) in wanted[sname]:
+                        fields[n] = (m_off & 0xFFFFFF if bitfield_offsets else m_off) // 8
+                missing = wanted[sname] - fields.keys()
+                if missing:
+                    raise ValueError(f"struct {sname} has no {', '.join(sorted(missing))}")
+                found[sname] = fields
+            pos += _BTF_EXTRA.get(kind, 0) + _BTF_PER_MEMBER.get(kind, 0) * vlen
+    except struct.error:
+        raise ValueError("BTF truncated") from None
+    if missing_structs := wanted.keys() - found.keys():
+        raise ValueError(f"no struct {', '.join(sorted(missing_structs))} in the BTF")
+    return found
+
+
+PROGRAM_FIELDS = {
+    "task_struct": {"pid", "tgid", "se", "sched_info"},
+    "sched_entity": {"sum_exec_runtime", "prev_sum_exec_runtime"},
+    "sched_info": {"run_delay"},
+    "pt_regs": {"orig_ax", "si", "di"},
+}
+
+
+@functools.lru_cache(maxsize=1)
+def kernel_offsets(path: Path = BTF_PATH) -> dict[str, int]:
+    """The offsets the program reads, flattened (e.g. "ran": task_struct.se + sched_entity.sum_exec_runtime)."""
+    o = btf_offsets(PROGRAM_FIELDS, path.read_bytes())
+    task, se = o["task_struct"], o["sched_entity"]
+    return {"pid": task["pid"], "tgid": task["tgid"],
+            "ran": task["se"] + se["sum_exec_runtime"], "ran_before": task["se"] + se["prev_sum_exec_runtime"],
+            "run_delay": task["sched_info"] + o["sched_info"]["run_delay"],
+            "orig_ax": o["pt_regs"]["orig_ax"], "si": o["pt_regs"]["si"], "di": o["pt_regs"]["di"]}
+
+
+# --- the program --------------------------------------------------------------------------
+
+def sched_program(tgids: Sequence[int], slots_fd: int, modulus: int, min_ns: int, probes: Iterable[str],
+                  offsets: dict[str, int], futex_nr: int, wait_cmds: Sequence[int]) -> bytes:
+    """The sched_switch program (see the module's text). Registers: r6 the tracepoint's arguments
+    (u64 each: preempt, prev, next, prev_state), r7 the task switching out, r8 its tid, r9 its slot;
+    the stack holds the slot index (fp-4) and the time (fp-16)."""
+    probes = set(probes)
+    fw, oc = "futexwait" in probes, "offcpu" in probes
+    o = offsets
+    items: list[Item] = [
+        mov(6, 1), call(GET_CURRENT_TASK_BTF), mov(7, 0),
+        load32(1, 7, o["tgid"]), *[jump_if("==", 1, int(t), "in") for t in tgids], goto("out"),
+        label("in"),
+        load32(8, 7, o["pid"]),
+        mov(1, 8), insn(0x97, 1, imm=modulus), insn(0x63, 10, 1, -4),  # *(u32 *)(fp - 4) = tid % modulus
+        ld_map(1, slots_fd), mov(2, 10), add_imm(2, -4), call(MAP_LOOKUP_ELEM),
+        jump_if("==", 0, 0, "out"), mov(9, 0),
+        call(KTIME_GET_NS), store64(10, 0, -16),
+        load64(1, 9, OFF["tid"]), jump_if_reg("==", 1, 8, "mine"),
+        # a fresh slot, or another thread's: this thread takes it over, with nothing open
+        mov_imm(1, 0), *[store64(9, 1, OFF[f]) for f in FIELDS[1:]], store64(9, 8, OFF["tid"]),
+        goto("fresh"),
+        label("mine"),
+    ]
+    if fw:  # the wait this thread slept in has ended: it got the CPU back `ran` ns ago
+        items += [
+            load64(2, 9, OFF["since"]), jump_if("==", 2, 0, "fw_done"),
+            load64(5, 9, OFF["carried_open"]),
+            mov_imm(1, 0), store64(9, 1, OFF["since"]), store64(9, 1, OFF["carried_open"]),
+            load64(3, 7, o["ran"]), load64(4, 7, o["ran_before"]), sub(3, 4),
+            load64(0, 10, -16), sub(0, 2),  # now - since
+            jump_if_reg(">", 3, 0, "fw_done"),  # ran longer than that: the two clocks disagree, not counted
+            sub(0, 3),  # the wait: back on a CPU - since
+            ld_imm64(4, min_ns), jump_if_reg("<", 0, 4, "fw_done"),
+            *bump(9, "wait_ns", 0),
+            jump_if("!=", 5, 0, "fw_carried"),
+            *bump(9, "nwaits"), goto("fw_done"),
+            label("fw_carried"), *bump(9, "ncarried"),
+            label("fw_done"),
+        ]
+    if oc:  # what the time since its last switch-out holds beyond CPU and run-queue time, it was blocked
+        items += [
+            load64(1, 9, OFF["oc_at"]), jump_if("==", 1, 0, "fresh"),
+            load64(2, 10, -16), sub(2, 1),  # elapsed
+            load64(3, 7, o["ran"]), load64(4, 9, OFF["oc_run"]), sub(3, 4),
+            load64(4, 7, o["run_delay"]), load64(5, 9, OFF["oc_rq"]), sub(4, 5), add(3, 4),  # used
+            ld_imm64(4, min_ns), add(4, 3), jump_if_reg("<", 2, 4, "fresh"),  # elapsed < used + threshold
+            sub(2, 3), *bump(9, "oc_blocked_ns", 2), *bump(9, "oc_nblocked"),
+        ]
+    items += [label("fresh")]
+    if oc:
+        items += [load64(1, 10, -16), store64(9, 1, OFF["oc_at"]), load64(1, 7, o["ran"]), store64(9, 1, OFF["oc_run"]),
+                  load64(1, 7, o["run_delay"]), store64(9, 1, OFF["oc_rq"])]
+    items += [mov_imm(1, 1), store64(9, 1, OFF["seen"])]
+    if fw:  # a thread that goes to sleep inside a futex wait opens one
+        items += [
+            load64(1, 6, 24), jump_if("==", 1, 0, "out"),  # prev_state 0: preempted, runnable, not waiting
+            mov(1, 7), call(TASK_PT_REGS),
+            load64(1, 0, o["orig_ax"]), jump_if("!=", 1, futex_nr, "out"),
+            load64(1, 0, o["si"]), insn(0x57, 1, imm=0x7F),
+            *[jump_if("==", 1, cmd, "wait") for cmd in wait_cmds], goto("out"),
+            label("wait"),
+            load64(2, 0, o["di"]), store64(9, 2, OFF["addr"]), load64(1, 10, -16), store64(9, 1, OFF["since"]),
+        ]
+    items += [label("out"), mov_imm(0, 0), insn(0x95)]
+    return assemble(items)
+
+
+def pick_modulus(tids: Iterable[int], most: int = MAX_SLOTS, tries: int = MODULUS_TRIES) -> int:
+    """The slot count (slot = tid % it) at most `most` under which these threads share no slot, or,
+    where none of `tries` candidates does, the one under which the fewest do."""
+    tids = sorted(set(tids))
+    best, best_shared = most, len(tids)
+    for m in range(most, max(1, most - tries), -1):
+        shared = len(tids) - len({t % m for t in tids})
+        if shared < best_shared:
+            best, best_shared = m, shared
+        if shared == 0:
+            break
+    return best
+
+
+def kernel_too_old(release: str) -> bool:
+    try:
+        major, minor = (int(x) for x in release.split(".")[:2])
+    except ValueError:
+        return False  # an unknown release: the load says
+    return (major, minor) < MIN_KERNEL
+
+
+def unsupported(probes: Iterable[str], machine: str, release: str) -> str | None:
+    """Why this host or probe set cannot use rawtp, or None (privilege and BTF are checked elsewhere)."""
+    if extra := [p for p in probes if p not in PROBES]:
+        return f"runs {' and '.join(PROBES)} only, not {', '.join(extra)}"
+    if machine not in FUTEX_NR:
+        return f"x86_64 only (the futex syscall number and pt_regs), not {machine}"
+    if kernel_too_old(release):
+        return f"needs Linux {MIN_KERNEL[0]}.{MIN_KERNEL[1]} or later (sched_switch's prev_state), not {release}"
+    return None
+
+
+class SchedProbe:
+    """The program on sched_switch for these tgids from construction until detach(); read() then
+    returns what it counted, as the maps futexwait's and offcpu's parsers read."""
+
+    def __init__(self, tgids: Sequence[int], probes: Sequence[str], min_ns: int, seeds: dict[int, int],
+                 tids: Iterable[int] = (), futex_nr: int | None = None, wait_cmds: Sequence[int] = ()) -> None:
+        """seeds: tid -> futex address of each thread in a futex wait at the attach (its wait is carried)."""
+        machine = platform.machine()
+        if (why := unsupported(probes, machine, platform.release())) is not None:
+            raise OSError(why)
+        self.probes = tuple(p for p in probes if p in PROBES)
+        self.modulus = pick_modulus([*tids, *seeds])
+        self.shared = self._shared([*tids, *seeds])
+        self._lock = threading.Lock()
+        self.fds: list[int] = []
+        self.slots: int | None = array_map(SLOT, self.modulus)
+        self.t_end: int | None = None
+        try:
+            code = sched_program(tgids, self.slots, self.modulus, max(0, int(min_ns)), self.probes, kernel_offsets(),
+                                 FUTEX_NR[machine] if futex_nr is None else futex_nr, wait_cmds)
+            self.instructions = len(code) // 8
+            since = time.monotonic_ns()  # CLOCK_MONOTONIC, as bpf_ktime_get_ns
+            if "futexwait" in self.probes:
+                for tid, addr in seeds.items():
+                    update(self.slots, tid % self.modulus, self.slot_bytes(tid=tid, since=since, addr=addr, carried_open=1))
+            self.fds.append(load(code))
+            self.fds.append(attach(self.fds[0], "sched_switch"))
+            self.t_begin = time.monotonic_ns()
+        except BaseException:
+            self.close()
+            raise
+
+    def _shared(self, tids: list[int]) -> set[int]:
+        by: dict[int, list[int]] = {}
+        for t in set(tids):
+            by.setdefault(t % self.modulus, []).append(t)
+        return {t for group in by.values() if len(group) > 1 for t in group}
+
+    @staticmethod
+    def slot_bytes(**values: int) -> bytes:
+        return struct.pack(f"<{len(FIELDS)}Q", *(values.get(f, 0) for f in FIELDS))
+
+    def detach(self) -> None:
+        """Take the program off the tracepoint (idempotent, from any thread); the counts stay readable."""
+        with self._lock:
+            if self.fds:
+                for fd in reversed(self.fds):
+                    os.close(fd)
+                self.fds = []
+                self.t_end = time.monotonic_ns()
+
+    @property
+    def attached(self) -> bool:
+        return bool(self.fds)
+
+    def read(self, tids: Iterable[int]) -> dict[str, Any]:
+        """The maps as the bpftrace back-end prints them, for these threads: fw_at (tid -> (start,
+        address) of a wait in progress, (0, address) for a thread seen since the attach), fw_nwaits,
+        fw_wait_ns, fw_carried, oc_nblocked, oc_blocked_ns; t_begin and t_end; "untraced" (the maps
+        this back-end has no way to fill) and "slot_lost" (threads whose slot another thread took)."""
+        if self.slots is None:
+            raise OSError("the probe's map is closed")
+        maps: dict[str, Any] = {n: {} for n in ("fw_at", "fw_nwaits", "fw_wait_ns", "fw_carried",
+                                               "oc_nblocked", "oc_blocked_ns")}
+        lost = set(self.shared)
+        for tid in sorted(set(tids)):
+            v = dict(zip(FIELDS, struct.unpack(f"<{len(FIELDS)}Q", lookup(self.slots, tid % self.modulus, SLOT))))
+            if v["tid"] != tid:
+                if v["tid"] or tid in self.shared:
+                    lost.add(tid)
+                continue
+            if "futexwait" in self.probes and v["seen"]:
+                maps["fw_at"][tid] = (0 if v["carried_open"] else v["since"], v["addr"])
+            for name, field in (("fw_nwaits", "nwaits"), ("fw_wait_ns", "wait_ns"), ("fw_carried", "ncarried"),
+                                ("oc_nblocked", "oc_nblocked"), ("oc_blocked_ns", "oc_blocked_ns")):
+                if v[field]:
+                    maps[name][tid] = v[field]
+        maps["t_begin"] = self.t_begin
+        maps["t_end"] = self.t_end if self.t_end is not None else time.monotonic_ns()
+        maps["untraced"] = ("fw_wakes", "fw_woken")
+        maps["slot_lost"] = tuple(sorted(lost & set(tids)))
+        return maps
+
+    def describe(self) -> str:
+        return (f"rawtp: {' + '.join(self.probes)} on raw sched_switch, {self.instructions} instructions, "
+                f"{self.modulus} slots of {SLOT} bytes")
+
+    def close(self) -> None:
+        self.detach()
+        if self.slots is not None:
+            os.close(self.slots)
+            self.slots = None
+
+    def __enter__(self) -> SchedProbe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
