@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="empty loop iterations per hand-off: 0 is the worst case, ~2000 a moderate futex rate")
     p.add_argument("--seconds", type=float, default=3.0, help="seconds per phase (default 3)")
     p.add_argument("--rounds", type=int, default=4, help="traced rounds per configuration (default 4)")
-    p.add_argument("--backend", default="auto", choices=("auto", "bcc", "bpftrace", "procfs"))
+    p.add_argument("--backend", default="auto", choices=("auto", *ebpfhost.BACKENDS))
     p.add_argument("--min-wait-ms", type=float, default=programs.DEFAULT_MIN_WAIT_MS,
                    help=f"the probes' threshold (default {programs.DEFAULT_MIN_WAIT_MS:g})")
     p.add_argument("--each", action="store_true", help="also each probe alone (futexwait, offcpu)")

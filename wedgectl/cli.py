@@ -50,7 +50,7 @@ def diagnose(
     save_bundle: Annotated[Optional[Path], typer.Option("--save-bundle", help="Write the evidence to this directory or .tar.gz.")] = None,
     native: Annotated[bool, typer.Option("--native", help="Native stacks too (py-spy pauses the target briefly).")] = False,
     no_stacks: Annotated[bool, typer.Option("--no-stacks", help="Do not run py-spy.")] = False,
-    ebpf: Annotated[ProbeMode, typer.Option("--ebpf", help="Trace futex waits/wakes and off-CPU time per thread (bcc, else bpftrace, else rawtp, else /proc; see `wedgectl probes`): auto attaches them when metrics, /proc and stacks leave a parked engine open; on, for the whole window.")] = ProbeMode.AUTO,
+    ebpf: Annotated[ProbeMode, typer.Option("--ebpf", help="Trace futex waits/wakes and off-CPU time per thread (rawtp, else bcc, else bpftrace, else /proc; see `wedgectl probes`): auto attaches them when metrics, /proc and stacks leave a parked engine open; on, for the whole window.")] = ProbeMode.AUTO,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
     low_priority: Annotated[bool, typer.Option("--low-priority/--same-priority", help="Sample a live server at nice +5 and idle I/O priority, below the server (py-spy and probes inherit it).")] = True,

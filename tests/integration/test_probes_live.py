@@ -268,8 +268,8 @@ def test_fallback_order_on_a_real_deadlock(spawn: Callable[..., Target], monkeyp
     t_ready = time.monotonic()
     addr = _proc_futex(target.pid, info["a"])
     seen = {}
-    for disabled, want in (("", ("bcc", "bpftrace")), ("bcc", ("bpftrace",)), ("bcc,bpftrace", ("rawtp",)),
-                           ("bcc,bpftrace,rawtp", ("procfs",))):
+    for disabled, want in (("", ("rawtp",)), ("rawtp", ("bcc", "bpftrace")), ("rawtp,bcc", ("bpftrace",)),
+                           ("rawtp,bcc,bpftrace", ("procfs",))):
         monkeypatch.setenv(ebpfhost.DISABLE_ENV, disabled)
         t_call = time.monotonic()
         records, _ = ebpf.run_probes([target.pid], 1.0)
@@ -287,14 +287,13 @@ def test_fallback_order_on_a_real_deadlock(spawn: Callable[..., Target], monkeyp
             assert t["wakes_on_addr"] is None and t["waits"] == 0 and t["parked_throughout"] is True
         else:
             assert t["wakes_on_addr"] == 0
-        if "bcc" in skipped:
-            print(f"{disabled or 'nothing'} off -> {header['backend']}; bcc skipped: {skipped['bcc']}")
+        print(f"{disabled or 'nothing'} off -> {header['backend']}; skipped: {skipped}")
     # every back-end off: still a /proc reading, said so
-    monkeypatch.setenv(ebpfhost.DISABLE_ENV, "bcc,bpftrace,rawtp,procfs")
+    monkeypatch.setenv(ebpfhost.DISABLE_ENV, "rawtp,bcc,bpftrace,procfs")
     records, _ = ebpf.run_probes([target.pid], 0.5)
     assert "every back-end is disabled" in _header(records)["reason"]
     # "on" with no eBPF back-end: the data, and a failure that says why
-    monkeypatch.setenv(ebpfhost.DISABLE_ENV, "bcc,bpftrace,rawtp")
+    monkeypatch.setenv(ebpfhost.DISABLE_ENV, "rawtp,bcc,bpftrace")
     records, failures = ebpf.run_probes([target.pid], 0.5, mode="on")
     assert any(f.kind.value == "missing_tool" and "--ebpf on" in f.message for f in failures)
     print(f"back-ends chosen: {seen}")
@@ -370,6 +369,30 @@ def test_detach_on_timeout_error_and_ctrl_c(spawn: Callable[..., Target], monkey
         assert header["backend"] == "bpftrace"
     assert _threads(tuple(payload["probes"]))[info["a"]]["wait_s"] > 0
     assert _gone(kids)
+    # rawtp: in this process, detached by its timer at the window's end, and nothing of it left open
+    before = _bpf_descriptors()
+    run = ebpf.start_probes([target.pid], "on", backend="rawtp", max_s=1.0)
+    assert run.backend.name == "rawtp" and len(_bpf_descriptors()) == len(before) + 3  # map, program, link
+    deadline = time.monotonic() + 15
+    while run._raw.attached and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not run._raw.attached  # the timer took it off the tracepoint
+    time.sleep(0.5)
+    records, failures = run.stop()
+    assert not failures and abs(_header(records)["window_s"] - 1.0) < 0.3, _header(records)
+    assert _threads(records)[info["a"]]["parked_throughout"] and _bpf_descriptors() == before
+
+
+def _bpf_descriptors() -> list[str]:
+    """This process's open BPF objects (maps, programs, links), by what /proc/self/fd links to."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "bpf" in (target := os.readlink(f"/proc/self/fd/{fd}")):
+                out.append(target)
+        except OSError:
+            continue
+    return sorted(out)
 
 
 def _ctrl_c_at_attach(args: list[str]) -> tuple[int, str, str, list[psutil.Process]]:
@@ -420,9 +443,12 @@ def _gone(procs: list[psutil.Process]) -> bool:
 
 
 @needs_ebpf
-def test_ctrl_c_while_diagnose_attaches_leaves_no_probe_behind(spawn: Callable[..., Target]) -> None:
+def test_ctrl_c_while_diagnose_attaches_leaves_no_probe_behind(spawn: Callable[..., Target],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     # Ctrl-C as soon as the capture's bpftrace program is spawned: diagnose says "interrupted"
     # (130) at once, and the half-attached bpftrace is detached, not left to its own timer
+    # (rawtp, first in the order, has no child to leave behind: its descriptors close with wedgectl)
+    monkeypatch.setenv(ebpfhost.DISABLE_ENV, "rawtp")
     target = spawn(TARGETS / "fake_vllm_serve.py", "serve")
     info = target.expect("ready", timeout=60)
     rc, _, err, kids = _ctrl_c_at_attach(["diagnose", "--pid", str(info["api"]), "--ebpf", "on", "--window", "30"])
@@ -441,14 +467,15 @@ def test_diagnose_json_carries_per_thread_probe_results(spawn: Callable[..., Tar
                        timeout=120, cwd=REPO)
     payload = json.loads(r.stdout)
     records = tuple(payload["probes"])
-    assert _header(records)["backend"] in ("bcc", "bpftrace")
+    backend = _header(records)["backend"]
+    assert backend in ebpfhost.EBPF_BACKENDS
     assert {info["api"], info["engine"], info["worker"]} <= set(_header(records)["pids"])
     threads = _threads(records)
     for role in ("engine", "worker"):
         t = threads[info[role]]  # the process's main thread: tid == pid
         assert {"tid", "futex_addr", "wait_s"} <= set(t)
         assert t["futex_addr"] == _proc_futex(info[role], info[role]) and t["wait_s"] >= 3.0
-        assert t["wakes_on_addr"] == 0 and t["parked_throughout"]
+        assert t["wakes_on_addr"] == (None if backend == "rawtp" else 0) and t["parked_throughout"]
     r = subprocess.run([sys.executable, "-m", "wedgectl", "probes"], capture_output=True, text=True,
                        timeout=60, cwd=REPO)
     assert r.returncode == 0 and "<- used" in r.stdout

@@ -1,4 +1,4 @@
-"""The eBPF collector: runs the probes (wedgectl.probes) on a process tree, bounded in time, with bcc, bpftrace or /proc.
+"""The eBPF collector: runs the probes (wedgectl.probes) on a process tree, bounded in time, with rawtp, bcc, bpftrace or /proc.
 
 It picks a back-end at run time and says why (collect/ebpfhost.py), composes
 one program from the probes asked for, filters it to the target pids in the

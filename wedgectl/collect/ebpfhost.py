@@ -1,9 +1,11 @@
-"""What this host supports for the probes: each back-end (bcc, bpftrace, /proc), whether it can run, and why not.
+"""What this host supports for the probes: each back-end (rawtp, bcc, bpftrace, /proc), whether it can run, and why not.
 
-bcc where it can compile (the bcc module and this kernel's headers); else
-bpftrace, which needs only tracepoints; else the /proc reader. Both eBPF
-back-ends need root (or CAP_BPF + CAP_PERFMON) and tracefs with the
-tracepoints. tracefs is mounted once when missing, and only when permitted: by
+rawtp where its program loads (collect/ebpfraw.py: x86_64, Linux 5.18+, BTF;
+futexwait and offcpu only, no wake table), the cheapest and needing no tool;
+else bcc where it can compile (the bcc module and this kernel's headers); else
+bpftrace, which needs only tracepoints; else the /proc reader. Every eBPF
+back-end needs root (or CAP_BPF + CAP_PERFMON); bcc and bpftrace also need
+tracefs with the tracepoints. tracefs is mounted once when missing, and only when permitted: by
 root or with CAP_SYS_ADMIN, unless WEDGECTL_NO_MOUNT_TRACEFS is set; a mount
 always says so on stderr. A Host seam (a root path and the tools) lets unit
 tests run detection on recorded host trees.
@@ -26,8 +28,8 @@ from wedgectl.lifecycle import run_bounded
 from wedgectl.probes import DEFAULT_PROBES, load_probe
 from wedgectl.types import BackendStatus
 
-BACKENDS = ("bcc", "bpftrace", "rawtp", "procfs")
-EBPF_BACKENDS = ("bcc", "bpftrace", "rawtp")
+BACKENDS = ("rawtp", "bcc", "bpftrace", "procfs")
+EBPF_BACKENDS = ("rawtp", "bcc", "bpftrace")
 DISABLE_ENV = "WEDGECTL_PROBES_DISABLE"  # e.g. "bcc,bpftrace": force the fallback order in tests
 NO_MOUNT_ENV = "WEDGECTL_NO_MOUNT_TRACEFS"  # any value: never mount tracefs, use what is mounted
 MAX_ENTRIES = 4096  # per BPF map
@@ -205,9 +207,11 @@ def check_bpftrace(host: Host, probes: Sequence[str], tracefs: Path | None, trac
     return BackendStatus("bpftrace", True, reason)
 
 
-def check_rawtp(host: Host, probes: Sequence[str], verify: bool = False) -> BackendStatus:
+def check_rawtp(host: Host, probes: Sequence[str]) -> BackendStatus:
     """The in-process back-end (collect/ebpfraw.py): futexwait and offcpu on raw sched_switch, loaded
-    through bpf(2); no tracefs, no tool to install, no wake tracing."""
+    through bpf(2); no tracefs, no tool to install, no wake tracing. On a live host the program is
+    loaded once (not attached), so that a kernel whose verifier refuses it falls to the next
+    eBPF back-end rather than to /proc."""
     from wedgectl.collect import ebpfraw
 
     if (why := ebpfraw.unsupported(probes, host.machine, host.release)) is not None:
@@ -218,12 +222,11 @@ def check_rawtp(host: Host, probes: Sequence[str], verify: bool = False) -> Back
     if not btf.exists():
         return BackendStatus("rawtp", False, f"no kernel BTF at {btf} (CONFIG_DEBUG_INFO_BTF): the program reads "
                              "task fields at the offsets it gives")
-    if verify and host.root == Path("/"):
+    if host.root == Path("/"):
         try:
-            with ebpfraw.SchedProbe([os.getpid()], tuple(probes), 0, {}, wait_cmds=load_probe("futexwait").WAIT_CMDS):
-                pass
+            ebpfraw.trial(tuple(probes), load_probe("futexwait").WAIT_CMDS)
         except (OSError, ValueError) as exc:
-            return BackendStatus("rawtp", False, f"rawtp could not load: {exc}")
+            return BackendStatus("rawtp", False, f"rawtp's program did not load: {exc}")
     return BackendStatus("rawtp", True, f"{' + '.join(probes)} on raw sched_switch through bpf(2), in-process; "
                          f"BTF at {btf}; no wake tracing (who called FUTEX_WAKE is not seen)")
 
@@ -264,7 +267,7 @@ def detect_backends(probes: Sequence[str] = DEFAULT_PROBES, host: Host = Host(),
         elif name == "bpftrace":
             out.append(check_bpftrace(host, probes, tracefs, tracefs_why, verify))
         elif name == "rawtp":
-            out.append(check_rawtp(host, probes, verify))
+            out.append(check_rawtp(host, probes))
         else:
             out.append(check_procfs(host, proc_root))
     return tuple(out)

@@ -426,6 +426,22 @@ def unsupported(probes: Iterable[str], machine: str, release: str) -> str | None
     return None
 
 
+@functools.lru_cache(maxsize=8)
+def trial(probes: tuple[str, ...], wait_cmds: tuple[int, ...]) -> None:
+    """Load the program once, on a small map, and unload it: OSError (with the verifier's words) or
+    ValueError (the BTF) where this kernel will not take it. Nothing is attached. Cached: a kernel
+    that took it once takes it again."""
+    machine = platform.machine()
+    if (why := unsupported(probes, machine, platform.release())) is not None:
+        raise OSError(why)
+    slots = array_map(SLOT, 64)
+    try:
+        os.close(load(sched_program([os.getpid()], slots, 64, 0, probes, kernel_offsets(), FUTEX_NR[machine],
+                                    wait_cmds)))
+    finally:
+        os.close(slots)
+
+
 class SchedProbe:
     """The program on sched_switch for these tgids from construction until detach(); read() then
     returns what it counted, as the maps futexwait's and offcpu's parsers read."""
