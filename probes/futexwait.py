@@ -222,10 +222,13 @@ def thread_fields(maps: Maps, w: Window, traced: bool) -> dict[int, dict[str, An
         if isinstance(key, tuple) and len(key) == 3:
             wakes.setdefault((key[0], key[1]), {})[key[2]] = int(calls)
     wakes_traced = "fw_wakes" not in maps.get("untraced", ())  # rawtp sees no FUTEX_WAKE: unknown, not 0
+    lost = set(maps.get("slot_lost", ()))  # rawtp: threads whose map slot another held, not traced
     at_map = table(maps, "fw_at")
     nwaits, carried, wait_ns = table(maps, "fw_nwaits"), table(maps, "fw_carried"), table(maps, "fw_wait_ns")
     out: dict[int, dict[str, Any]] = {}
+    all_traced = traced
     for tid, st in w.end_states.items():
+        traced = all_traced and tid not in lost
         st0 = w.start_states.get(tid)
         addr = start = None
         source = ""

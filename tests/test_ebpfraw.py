@@ -151,8 +151,9 @@ def _state(tid: int, futex: int | None) -> ThreadSched:
 
 
 def test_futexwait_reads_rawtp_maps_with_wakes_unknown() -> None:
-    """The maps as SchedProbe.read returns them (recorded from a run on threads of known waits):
-    waits and totals as counted, the wait in progress from fw_at, and no claim about wakes."""
+    """The maps as SchedProbe.read returns them (thread 101's figures as a real run on threads of known
+    waits printed them; 102's wait in progress added): waits and totals as counted, the wait in
+    progress from fw_at, and no claim about wakes; a thread whose slot another held is not traced."""
     begin = 49004.778316130
     start = {101: _state(101, None), 102: _state(102, 0x7F00)}
     end = {101: _state(101, None), 102: _state(102, 0x7F00)}
@@ -169,6 +170,26 @@ def test_futexwait_reads_rawtp_maps_with_wakes_unknown() -> None:
     assert by[102].futex_addr == 0x7F00 and by[102].wait_source == "tracepoint"
     assert by[102].wait_s == pytest.approx(1.0, abs=0.01) and by[102].waits == 1
     assert by[102].wakes_on_addr is None and by[102].backend == "rawtp"
+    lost = combine("rawtp", ("futexwait",), {**maps, "slot_lost": (101,)}, w)
+    assert {t.tid: t for t in lost}[101].waits is None and {t.tid: t for t in lost}[101].total_wait_s is None
     # the same maps from a back-end that traces wakes: none on the address is a count, 0
     traced = {k: v for k, v in maps.items() if k != "untraced"}
     assert {t.tid: t for t in combine("bpftrace", ("futexwait",), traced, w)}[102].wakes_on_addr == 0
+
+
+def test_a_wait_woken_and_never_switched_out_again_ends_when_its_thread_got_the_cpu_back() -> None:
+    # opened at 1.000 s having run 5 ms; detached at 3.000 s having run 5 ms + 400 ms since: back at 2.6 s
+    assert ebpfraw.ended_wait_ns(1_000_000_000, 5_000_000, 3_000_000_000, 405_000_000) == 1_600_000_000
+    assert ebpfraw.ended_wait_ns(1_000_000_000, 0, 3_000_000_000, 405_000_000) is None  # CPU at open unknown
+    assert ebpfraw.ended_wait_ns(1_000_000_000, 5_000_000, 3_000_000_000, None) is None  # schedstat unreadable
+    assert ebpfraw.ended_wait_ns(1_000_000_000, 5_000_000, 3_000_000_000, 4_000_000) is None  # less CPU than at open
+    assert ebpfraw.ended_wait_ns(1_000_000_000, 5_000_000, 1_500_000_000, 905_000_000) is None  # ran longer than the span
+
+
+def test_a_wait_opens_only_on_a_sleep_not_a_preemption_or_a_stop() -> None:
+    ins = _decode(ebpfraw.sched_program([1], 3, 7, 0, ("futexwait",), OFFSETS, 202, (0,)))
+    ctx_reads = [i[3] for i in ins if i[0] == 0x79 and i[2] == 6]  # loads from the tracepoint's arguments
+    assert ctx_reads == [0, 24]  # preempt, then prev_state
+    at = next(k for k, i in enumerate(ins) if i[0] == 0x79 and i[2] == 6 and i[3] == 24)
+    assert ins[at + 1][:1] == (0x57,) and ins[at + 1][4] == 0xF  # the state's low bits: stopped and traced too
+    assert [i[4] for i in ins[at + 2:at + 6]] == [0, 1, 2, 3]  # running: out; interruptible, uninterruptible, both

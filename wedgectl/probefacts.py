@@ -79,8 +79,11 @@ def probe_evidence(samples: Sequence[Sample], most: int = 4) -> list[Evidence]:
     out: list[Evidence] = []
     for t, role in parked_threads(samples)[:most]:
         who = f"{ROLE_LABELS[role]} main thread" if t.is_main else f"{ROLE_LABELS[role]} thread {t.comm}"
-        if t.wakes_on_addr is None:  # its one wait lasted the window: it was not woken
-            wake = f"not woken in the {t.window_s:.1f} s window (wake calls not traced: {t.backend})"
+        if t.wakes_on_addr is None and t.wait_source in ("sched", "tracepoint"):
+            # it has not run since the wait began (its last run, or a switch-out the program saw): not woken
+            wake = f"not woken for {t.wait_s:.0f} s (wake calls not traced: {t.backend})"
+        elif t.wakes_on_addr is None:
+            wake = f"wakes not traced ({t.backend})"
         else:
             wake = f"no wake on that address in the {t.window_s:.1f} s window"
         out.append(Evidence(

@@ -272,6 +272,11 @@ class ProbeRun:
         return self
 
     def _fall_back(self, why: str) -> None:
+        if (raw := self._raw) is not None:  # rawtp's program and map go with it: /proc alone from here
+            self._raw = None
+            if self._raw_timer is not None:
+                self._raw_timer.cancel()
+            raw.close()
         self.fallback_from.append(ProbeSkip(self.backend.name, why))
         kind = FailureKind.MISSING_TOOL if "not installed" in why else FailureKind.ERROR
         self.failures.append(CollectorFailure(COLLECTOR, kind, why, ",".join(map(str, self.pids))))
@@ -338,7 +343,7 @@ class ProbeRun:
         from wedgectl.collect import ebpfraw
 
         waits = load_probe("futexwait").WAIT_CMDS
-        seeds = {tid: st.futex_addr or 0 for tid, st in self._start_states.items()
+        seeds = {tid: (st.futex_addr or 0, st.oncpu_ns or 0) for tid, st in self._start_states.items()
                  if st.in_futex_wait and (st.thread.futex_op is None or st.thread.futex_op & 0x7F in waits)}
         self._raw = ebpfraw.SchedProbe(self.pids, self.probes, int(round(self.min_wait_s * 1e9)), seeds,
                                        tids=self._start_states, wait_cmds=waits)
@@ -455,18 +460,19 @@ class ProbeRun:
             end = (self._raw.t_end or time.monotonic_ns()) / 1e9
         end_states, fails = procfs.read_thread_scheds(self.pids, self.proc_root)
         end_read_at = time.monotonic()
-        if self._raw is not None:
+        if (raw := self._raw) is not None:
             try:
-                maps = self._raw.read({*self._start_states, *end_states})
+                ends = {tid: (st.futex_addr if st.in_futex_wait else None, st.oncpu_ns) for tid, st in end_states.items()}
+                maps = raw.read(ends)
             except OSError as exc:
                 self._fall_back(f"rawtp's counts could not be read: {exc}")
                 self._begin, maps = self._ready_at or self._begin, {}
             finally:
-                self._raw.close()
+                raw.close()
             if lost := maps.get("slot_lost"):
                 self.failures.append(CollectorFailure(
-                    COLLECTOR, FailureKind.ERROR, f"rawtp: {len(lost)} threads shared a map slot with another "
-                    f"thread; their wait and block counts are missing: {', '.join(map(str, lost[:8]))}"))
+                    COLLECTOR, FailureKind.ERROR, f"rawtp: {len(lost)} threads found their map slot held by "
+                    f"another thread; their waits are unknown: {', '.join(map(str, lost[:8]))}"))
         self.failures += [f for f in fails if f.kind is not FailureKind.GONE or not end_states]
         if self._stderr is not None:
             with contextlib.suppress(OSError):

@@ -14,14 +14,17 @@ switched out, and is switched back in when woken.
 What runs, on the switch-out of a thread of the target tgids only (another process's switch
 costs a helper call, a load and a compare per tgid), with one array slot per thread:
 
-- futexwait: a thread that sleeps (prev_state != 0) inside the futex syscall with a wait op
-  has (now, address) put in its slot. At its next switch-out, of any kind, that wait has
+- futexwait: a thread that goes to sleep (not preempted; prev_state interruptible or
+  uninterruptible, not stopped or traced) inside the futex syscall with a wait op has (now,
+  address, its CPU time) put in its slot. At its next switch-out, of any kind, that wait has
   ended: it ended when the thread got the CPU back, now less the CPU time it has run since
   (se.sum_exec_runtime - se.prev_sum_exec_runtime). A wait that outlasted the threshold is
   counted and summed. If the two clocks disagree (more CPU time than the whole span), the
-  wait is not counted. A thread already in a futex wait when the program attached (read
-  from /proc/PID/task/TID/syscall) gets its slot seeded: its wait, once it ends, is counted
-  from the attach as "carried", as the tracepoint version counts it.
+  wait is not counted. A wait whose thread was woken and ran on to the detach without
+  another switch-out is closed by read(), against /proc's read at the end (ended_wait_ns).
+  A thread already in a futex wait when the program attached (read from
+  /proc/PID/task/TID/syscall) gets its slot seeded: its wait, once it ends, is counted from
+  the attach as "carried", as the tracepoint version counts it.
 - offcpu: what the time since the thread's previous switch-out holds beyond its CPU time and
   its run-queue time (se.sum_exec_runtime, sched_info.run_delay), it spent blocked; blocks
   over the threshold are counted and summed.
@@ -35,8 +38,11 @@ tracepoint's prev_state argument; the helpers are 5.11 and 5.15), BTF, and root 
 CAP_BPF + CAP_PERFMON.
 
 A slot is tid % modulus, the modulus picked so that the threads present at the attach each
-get their own; a thread that appears later and lands on a taken slot takes it over, and
-whichever thread lost it is reported (read(): "slot_lost").
+get their own; a thread that appears later and lands on a slot another holds goes uncounted,
+and is reported (read(): "slot_lost"; its waits read as unknown). Limits: prev_sum_exec_runtime
+is the fair class's, so a real-time thread's waits read as "clocks disagree" and are not
+counted; a wait split inside one syscall (a spurious wake-up, a restart) counts as two, or, if
+resumed through restart_syscall, not at all.
 """
 
 from __future__ import annotations
@@ -70,10 +76,10 @@ MAP_LOOKUP_ELEM, KTIME_GET_NS, GET_CURRENT_TASK_BTF, TASK_PT_REGS = 1, 5, 158, 1
 
 # One slot per thread, u64 fields in this order.
 FIELDS = ("tid", "since", "addr", "nwaits", "wait_ns", "carried_open", "ncarried", "seen",
-          "oc_at", "oc_run", "oc_rq", "oc_nblocked", "oc_blocked_ns")
+          "oc_at", "oc_run", "oc_rq", "oc_nblocked", "oc_blocked_ns", "open_ran")
 OFF = {name: 8 * i for i, name in enumerate(FIELDS)}
 SLOT = 8 * len(FIELDS)
-MAX_SLOTS = 1 << 16  # 6.8 MB of kernel memory at most
+MAX_SLOTS = 1 << 16  # 7.3 MB of kernel memory at most
 MODULUS_TRIES = 512
 
 
@@ -344,8 +350,10 @@ def sched_program(tgids: Sequence[int], slots_fd: int, modulus: int, min_ns: int
         jump_if("==", 0, 0, "out"), mov(9, 0),
         call(KTIME_GET_NS), store64(10, 0, -16),
         load64(1, 9, OFF["tid"]), jump_if_reg("==", 1, 8, "mine"),
-        # a fresh slot, or another thread's: this thread takes it over, with nothing open
-        mov_imm(1, 0), *[store64(9, 1, OFF[f]) for f in FIELDS[1:]], store64(9, 8, OFF["tid"]),
+        # another thread's slot: this one goes uncounted (read() names it), the holder keeps its counts
+        jump_if("!=", 1, 0, "out"),
+        # an empty slot: this thread takes it, with nothing open
+        store64(9, 8, OFF["tid"]),
         goto("fresh"),
         label("mine"),
     ]
@@ -381,13 +389,18 @@ def sched_program(tgids: Sequence[int], slots_fd: int, modulus: int, min_ns: int
     items += [mov_imm(1, 1), store64(9, 1, OFF["seen"])]
     if fw:  # a thread that goes to sleep inside a futex wait opens one
         items += [
-            load64(1, 6, 24), jump_if("==", 1, 0, "out"),  # prev_state 0: preempted, runnable, not waiting
+            # asleep, not preempted on the way (ctx[0]) and not stopped or traced (a stop is no futex wait)
+            load64(1, 6, 0), jump_if("!=", 1, 0, "out"),
+            load64(1, 6, 24), insn(0x57, 1, imm=0xF), jump_if("==", 1, 0, "out"),
+            jump_if("==", 1, 1, "asleep"), jump_if("==", 1, 2, "asleep"), jump_if("!=", 1, 3, "out"),
+            label("asleep"),
             mov(1, 7), call(TASK_PT_REGS),
             load64(1, 0, o["orig_ax"]), jump_if("!=", 1, futex_nr, "out"),
             load64(1, 0, o["si"]), insn(0x57, 1, imm=0x7F),
             *[jump_if("==", 1, cmd, "wait") for cmd in wait_cmds], goto("out"),
             label("wait"),
             load64(2, 0, o["di"]), store64(9, 2, OFF["addr"]), load64(1, 10, -16), store64(9, 1, OFF["since"]),
+            load64(1, 7, o["ran"]), store64(9, 1, OFF["open_ran"]),
         ]
     items += [label("out"), mov_imm(0, 0), insn(0x95)]
     return assemble(items)
@@ -405,6 +418,17 @@ def pick_modulus(tids: Iterable[int], most: int = MAX_SLOTS, tries: int = MODULU
         if shared == 0:
             break
     return best
+
+
+def ended_wait_ns(since: int, ran_at_open: int, t_end: int, ran_end: int | None) -> int | None:
+    """A wait opened at `since` (its thread had run `ran_at_open` CPU ns) whose thread was woken and
+    ran on to `t_end` without being switched out again: it ended when the thread got the CPU back,
+    t_end less the CPU time it ran since (schedstat's `ran_end`, read just after). None where that
+    cannot be told (no CPU figures, or ones that disagree with the span)."""
+    if not ran_at_open or ran_end is None or ran_end < ran_at_open:
+        return None
+    back = t_end - (ran_end - ran_at_open)
+    return back - since if back >= since else None
 
 
 def kernel_too_old(release: str) -> bool:
@@ -446,9 +470,10 @@ class SchedProbe:
     """The program on sched_switch for these tgids from construction until detach(); read() then
     returns what it counted, as the maps futexwait's and offcpu's parsers read."""
 
-    def __init__(self, tgids: Sequence[int], probes: Sequence[str], min_ns: int, seeds: dict[int, int],
+    def __init__(self, tgids: Sequence[int], probes: Sequence[str], min_ns: int, seeds: dict[int, tuple[int, int]],
                  tids: Iterable[int] = (), futex_nr: int | None = None, wait_cmds: Sequence[int] = ()) -> None:
-        """seeds: tid -> futex address of each thread in a futex wait at the attach (its wait is carried)."""
+        """seeds: tid -> (futex address, CPU ns it had run, from schedstat) of each thread in a futex wait
+        at the attach: its wait is carried."""
         machine = platform.machine()
         if (why := unsupported(probes, machine, platform.release())) is not None:
             raise OSError(why)
@@ -459,15 +484,17 @@ class SchedProbe:
         self.fds: list[int] = []
         self.slots: int | None = array_map(SLOT, self.modulus)
         self.t_end: int | None = None
+        self.min_ns = max(0, int(min_ns))
         try:
-            code = sched_program(tgids, self.slots, self.modulus, max(0, int(min_ns)), self.probes, kernel_offsets(),
+            code = sched_program(tgids, self.slots, self.modulus, self.min_ns, self.probes, kernel_offsets(),
                                  FUTEX_NR[machine] if futex_nr is None else futex_nr, wait_cmds)
             self.instructions = len(code) // 8
-            since = time.monotonic_ns()  # CLOCK_MONOTONIC, as bpf_ktime_get_ns
-            if "futexwait" in self.probes:
-                for tid, addr in seeds.items():
-                    update(self.slots, tid % self.modulus, self.slot_bytes(tid=tid, since=since, addr=addr, carried_open=1))
             self.fds.append(load(code))
+            since = time.monotonic_ns()  # CLOCK_MONOTONIC, as bpf_ktime_get_ns; the seeds go in just before the attach
+            if "futexwait" in self.probes:
+                for tid, (addr, ran) in seeds.items():
+                    update(self.slots, tid % self.modulus,
+                           self.slot_bytes(tid=tid, since=since, addr=addr, carried_open=1, open_ran=ran))
             self.fds.append(attach(self.fds[0], "sched_switch"))
             self.t_begin = time.monotonic_ns()
         except BaseException:
@@ -487,32 +514,45 @@ class SchedProbe:
     def detach(self) -> None:
         """Take the program off the tracepoint (idempotent, from any thread); the counts stay readable."""
         with self._lock:
-            if self.fds:
-                for fd in reversed(self.fds):
-                    os.close(fd)
-                self.fds = []
+            fds, self.fds = self.fds, []
+            if fds:
                 self.t_end = time.monotonic_ns()
+            for fd in reversed(fds):
+                os.close(fd)
 
     @property
     def attached(self) -> bool:
         return bool(self.fds)
 
-    def read(self, tids: Iterable[int]) -> dict[str, Any]:
+    def read(self, ends: dict[int, tuple[int | None, int | None]]) -> dict[str, Any]:
         """The maps as the bpftrace back-end prints them, for these threads: fw_at (tid -> (start,
         address) of a wait in progress, (0, address) for a thread seen since the attach), fw_nwaits,
         fw_wait_ns, fw_carried, oc_nblocked, oc_blocked_ns; t_begin and t_end; "untraced" (the maps
-        this back-end has no way to fill) and "slot_lost" (threads whose slot another thread took)."""
+        this back-end has no way to fill) and "slot_lost" (threads whose slot another thread held).
+
+        ends: tid -> (the futex address it waits on at the end, None if none; its CPU ns then, from
+        schedstat) as /proc read it after the detach. A wait the program opened closes only at the
+        thread's next switch-out: one whose thread was woken and ran on to the detach without
+        another is closed here, where the end read shows it no longer in that wait (ended_wait_ns)."""
         if self.slots is None:
             raise OSError("the probe's map is closed")
         maps: dict[str, Any] = {n: {} for n in ("fw_at", "fw_nwaits", "fw_wait_ns", "fw_carried",
                                                "oc_nblocked", "oc_blocked_ns")}
+        t_end = self.t_end if self.t_end is not None else time.monotonic_ns()
         lost = set(self.shared)
-        for tid in sorted(set(tids)):
+        for tid in sorted(ends):
             v = dict(zip(FIELDS, struct.unpack(f"<{len(FIELDS)}Q", lookup(self.slots, tid % self.modulus, SLOT))))
             if v["tid"] != tid:
                 if v["tid"] or tid in self.shared:
                     lost.add(tid)
                 continue
+            waiting_on, ran_end = ends[tid]
+            if v["since"] and waiting_on != v["addr"]:  # woken since, and never switched out after
+                d = ended_wait_ns(v["since"], v["open_ran"], t_end, ran_end)
+                if d is not None and d >= self.min_ns:
+                    v["wait_ns"] += d
+                    v["ncarried" if v["carried_open"] else "nwaits"] += 1
+                v["since"], v["carried_open"], v["seen"] = 0, 0, 1
             if "futexwait" in self.probes and v["seen"]:
                 maps["fw_at"][tid] = (0 if v["carried_open"] else v["since"], v["addr"])
             for name, field in (("fw_nwaits", "nwaits"), ("fw_wait_ns", "wait_ns"), ("fw_carried", "ncarried"),
@@ -520,9 +560,9 @@ class SchedProbe:
                 if v[field]:
                     maps[name][tid] = v[field]
         maps["t_begin"] = self.t_begin
-        maps["t_end"] = self.t_end if self.t_end is not None else time.monotonic_ns()
+        maps["t_end"] = t_end
         maps["untraced"] = ("fw_wakes", "fw_woken")
-        maps["slot_lost"] = tuple(sorted(lost & set(tids)))
+        maps["slot_lost"] = tuple(sorted(lost & set(ends)))
         return maps
 
     def describe(self) -> str:
@@ -531,9 +571,9 @@ class SchedProbe:
 
     def close(self) -> None:
         self.detach()
-        if self.slots is not None:
-            os.close(self.slots)
-            self.slots = None
+        slots, self.slots = self.slots, None
+        if slots is not None:
+            os.close(slots)
 
     def __enter__(self) -> SchedProbe:
         return self
