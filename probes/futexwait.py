@@ -28,7 +28,7 @@ instead would skip the syscall path, but the reference kernel has no kprobe
 events (no kprobe_events in tracefs) and bpftrace 0.17 no kfunc probes on it,
 so the syscall tracepoints are the one attach point there for bpftrace and
 bcc. The rawtp back-end (wedgectl/collect/ebpfraw.py) does the wait counting
-on the raw sched_switch tracepoint instead, at 0.975-0.98 on the same storm,
+on the raw sched_switch tracepoint instead, at 0.91-0.98 on the same storm,
 without the wake table. Maps are bounded (--max-entries,
 default 4096 per map); a full map drops new keys and the result says so. The program exits by itself after
 --duration seconds (an in-kernel interval probe), so a killed wedgectl never
@@ -51,7 +51,7 @@ from wedgectl.types import WakeCall
 NAME = "futexwait"
 SUMMARY = "futex waits per thread (address, start, count, total) and FUTEX_WAKE calls per address"
 TRACEPOINTS = ("syscalls:sys_enter_futex", "syscalls:sys_exit_futex")
-FUTEXWAIT_OVERHEAD = ("futex storm, ~300-450k futex calls/s on 2 vCPUs: throughput ratio 0.975-0.98 on rawtp "
+FUTEXWAIT_OVERHEAD = ("futex storm, ~300-450k futex calls/s on 2 vCPUs: throughput ratio 0.91-0.98 on rawtp "
                       "(sched_switch), 0.71-0.89 on bpftrace/bcc, as much as an empty program on their syscall "
                       "tracepoints costs; serving vLLM "
                       "(tiny model, 4 streams): ratio 0.99-1.04, within that host's noise; "
