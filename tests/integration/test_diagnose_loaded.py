@@ -3,6 +3,7 @@ answered scrapes; held by a CPU limit to next to no CPU it is no hang."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -140,7 +141,7 @@ def _tokens_stop(url: str, quiet_s: float = 4.0, bound_s: float = 90.0) -> float
 
 def test_an_engine_its_cpu_limit_starves_is_not_called_a_deadlock(vllm_python, tmp_path):
     """The `healthy` repro's stream, its EngineCore and Worker then held to 1 ms of CPU a second with
-    a busy loop beside them in the same limit: no token comes, the engine's main threads queue for
+    busy loops beside them in the same limit, the engine's threads at the idle policy: no token comes, the engine's main threads queue for
     a CPU they are not given. Frozen counters with work in flight and an engine using no CPU read
     as a certain engine deadlock before the run delay was read; now no hang is named, and the
     verdict says the engine is waiting for a CPU."""
@@ -153,12 +154,17 @@ def test_an_engine_its_cpu_limit_starves_is_not_called_a_deadlock(vllm_python, t
         engine = [p.pid for p in psutil.Process(pid).children(recursive=True) if role_of(p) in STEPPING_ROLES]
         assert len(engine) == 2, engine
         with CgroupCpuLimit() as limit:
-            # Busy loops beside the engine take most of each period's sliver of quota (the quota is
-            # handed out in slices, so a limited group overruns it a little): without them the engine
-            # still makes a token every few seconds.
+            # Busy loops beside the engine take each period's sliver of quota (the quota is handed out
+            # in slices, so a limited group overruns it a little), the engine's threads at the idle
+            # policy so that the loops win it: with the loops alone the engine still made a token
+            # every few seconds, and a capture that sees one rightly says progressing.
             hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
             for p in (*engine, *(h.pid for h in hogs)):
                 limit.add(p)
+            for p in engine:
+                for t in psutil.Process(p).threads():
+                    with contextlib.suppress(OSError):
+                        os.sched_setscheduler(t.id, os.SCHED_IDLE, os.sched_param(0))
             # the quota of the period under way runs out, and tokens made before it drain
             settled = _tokens_stop(json.loads(r.stdout)["url"])
             d = subprocess.run([sys.executable, "-m", "wedgectl", "diagnose", "--pid", str(pid), "--json", "-q",
