@@ -342,11 +342,10 @@ class ProbeRun:
         other back-ends' programs end themselves."""
         from wedgectl.collect import ebpfraw
 
-        waits = load_probe("futexwait").WAIT_CMDS
         seeds = {tid: (st.futex_addr or 0, st.oncpu_ns or 0) for tid, st in self._start_states.items()
-                 if st.in_futex_wait and (st.thread.futex_op is None or st.thread.futex_op & 0x7F in waits)}
+                 if st.in_futex_wait and procfs.is_futex_wait_op(st.thread.futex_op)}
         self._raw = ebpfraw.SchedProbe(self.pids, self.probes, int(round(self.min_wait_s * 1e9)), seeds,
-                                       tids=self._start_states, wait_cmds=waits)
+                                       tids=self._start_states)
         try:
             self.program = self._raw.describe()
             self._raw_timer = threading.Timer(self.max_s, self._raw.detach)

@@ -224,7 +224,7 @@ def check_rawtp(host: Host, probes: Sequence[str]) -> BackendStatus:
                              "task fields at the offsets it gives")
     if host.root == Path("/"):
         try:
-            ebpfraw.trial(tuple(probes), load_probe("futexwait").WAIT_CMDS)
+            ebpfraw.trial(tuple(probes))
         except (OSError, ValueError) as exc:
             return BackendStatus("rawtp", False, f"rawtp's program did not load: {exc}")
     return BackendStatus("rawtp", True, f"{' + '.join(probes)} on raw sched_switch through bpf(2), in-process; "

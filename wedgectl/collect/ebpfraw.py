@@ -59,9 +59,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Union
 
+from wedgectl.collect.procfs import FUTEX_WAIT_CMDS, futex_syscall_numbers
+
 BTF_PATH = Path("/sys/kernel/btf/vmlinux")
 BPF_NR = {"x86_64": 321, "aarch64": 280, "arm64": 280, "ppc64le": 361, "s390x": 351, "riscv64": 280}
-FUTEX_NR = {"x86_64": 202}  # the program reads the syscall number and its arguments from x86_64's pt_regs
+PT_REGS_MACHINES = ("x86_64",)  # the program reads the syscall number and its arguments from x86_64's pt_regs
+WAIT_CMDS = tuple(sorted(FUTEX_WAIT_CMDS))  # the futex commands that park the caller, as /proc's reader counts them
 MIN_KERNEL = (5, 18)  # sched_switch's prev_state argument
 PROBES = ("futexwait", "offcpu")
 
@@ -443,15 +446,22 @@ def unsupported(probes: Iterable[str], machine: str, release: str) -> str | None
     """Why this host or probe set cannot use rawtp, or None (privilege and BTF are checked elsewhere)."""
     if extra := [p for p in probes if p not in PROBES]:
         return f"runs {' and '.join(PROBES)} only, not {', '.join(extra)}"
-    if machine not in FUTEX_NR:
+    if machine not in PT_REGS_MACHINES or futex_syscall_numbers(machine) is None:
         return f"x86_64 only (the futex syscall number and pt_regs), not {machine}"
     if kernel_too_old(release):
         return f"needs Linux {MIN_KERNEL[0]}.{MIN_KERNEL[1]} or later (sched_switch's prev_state), not {release}"
     return None
 
 
+def _futex_nr(machine: str) -> int:
+    numbers = futex_syscall_numbers(machine)
+    if numbers is None:
+        raise OSError(f"no futex syscall number known for {machine}")
+    return numbers[0]
+
+
 @functools.lru_cache(maxsize=8)
-def trial(probes: tuple[str, ...], wait_cmds: tuple[int, ...]) -> None:
+def trial(probes: tuple[str, ...]) -> None:
     """Load the program once, on a small map, and unload it: OSError (with the verifier's words) or
     ValueError (the BTF) where this kernel will not take it. Nothing is attached. Cached: a kernel
     that took it once takes it again."""
@@ -460,8 +470,8 @@ def trial(probes: tuple[str, ...], wait_cmds: tuple[int, ...]) -> None:
         raise OSError(why)
     slots = array_map(SLOT, 64)
     try:
-        os.close(load(sched_program([os.getpid()], slots, 64, 0, probes, kernel_offsets(), FUTEX_NR[machine],
-                                    wait_cmds)))
+        os.close(load(sched_program([os.getpid()], slots, 64, 0, probes, kernel_offsets(), _futex_nr(machine),
+                                    WAIT_CMDS)))
     finally:
         os.close(slots)
 
@@ -471,7 +481,7 @@ class SchedProbe:
     returns what it counted, as the maps futexwait's and offcpu's parsers read."""
 
     def __init__(self, tgids: Sequence[int], probes: Sequence[str], min_ns: int, seeds: dict[int, tuple[int, int]],
-                 tids: Iterable[int] = (), futex_nr: int | None = None, wait_cmds: Sequence[int] = ()) -> None:
+                 tids: Iterable[int] = ()) -> None:
         """seeds: tid -> (futex address, CPU ns it had run, from schedstat) of each thread in a futex wait
         at the attach: its wait is carried."""
         machine = platform.machine()
@@ -487,7 +497,7 @@ class SchedProbe:
         self.min_ns = max(0, int(min_ns))
         try:
             code = sched_program(tgids, self.slots, self.modulus, self.min_ns, self.probes, kernel_offsets(),
-                                 FUTEX_NR[machine] if futex_nr is None else futex_nr, wait_cmds)
+                                 _futex_nr(machine), WAIT_CMDS)
             self.instructions = len(code) // 8
             self.fds.append(load(code))
             since = time.monotonic_ns()  # CLOCK_MONOTONIC, as bpf_ktime_get_ns; the seeds go in just before the attach
