@@ -55,24 +55,34 @@ def test_ld_imm64_carries_values_past_32_bits_and_assemble_refuses_a_label_twice
         ebpfraw.assemble([ebpfraw.label("a"), ebpfraw.label("a")])
 
 
-OFFSETS = {"pid": 1264, "tgid": 1268, "ran": 232, "ran_before": 240, "run_delay": 1016,
+OFFSETS = {"pid": 1264, "tgid": 1268, "ran": 232, "ran_before": 240, "run_delay": 1016, "arrived": 1040,
            "orig_ax": 120, "si": 104, "di": 112}  # as kernel_offsets() read them on a 6.18 x86_64 kernel
 
 
 def test_sched_program_filters_each_tgid_first_and_carries_the_threshold() -> None:
     code = ebpfraw.sched_program([4101, 4102], 3, 65521, 250_000_000_000, ("futexwait", "offcpu"), OFFSETS,
-                                 202, (0, 9))
+                                 202, (0, 9), 4, 777)
     ins = _decode(code)
     assert ins[-1][0] == 0x95 and ins[-2][:1] == (0xB7,)
-    # the tgid load, then one compare per tgid, before any map or helper work
+    # the tgid load, then wedgectl's own tgid (the epoch) and one compare per tgid, before any slot work
     assert ins[3][0] == 0x61 and ins[3][3] == OFFSETS["tgid"]
-    assert [(i[0], i[4]) for i in ins[4:6]] == [(0x15, 4101), (0x15, 4102)] and ins[6][0] == 0x05
+    assert ins[4][0] == 0x55 and ins[4][4] == 777
+    first = next(k for k, i in enumerate(ins) if i[0] == 0x15 and i[4] == 4101)
+    assert ins[first - 1][0] == 0x61 and ins[first - 1][3] == OFFSETS["tgid"]  # reloaded after the epoch
+    assert (ins[first + 1][0], ins[first + 1][4]) == (0x15, 4102) and ins[first + 2][0] == 0x05
+    assert ins[4][3] == first - 5  # wedgectl's other threads jump straight to the compares
+    # the clock helper is called once, in the epoch's block; a target thread's switch reads the task instead
+    ktime = [k for k, i in enumerate(ins) if i[0] == 0x85 and i[4] == ebpfraw.KTIME_GET_NS]
+    assert len(ktime) == 1 and 4 < ktime[0] < first
+    assert any(i[0] == 0x79 and i[2] == 7 and i[3] == OFFSETS["arrived"] for i in ins[first:])
     assert any(i[0] == 0x97 and i[4] == 65521 for i in ins)  # slot = tid % modulus
+    maps = [i[4] for i in ins if i[0] == 0x18 and i[2] == 1]
+    assert maps == [4, 3]  # the epoch, then the slots
     wide = [((ins[k + 1][4] & 0xFFFFFFFF) << 32) | (ins[k][4] & 0xFFFFFFFF)
             for k, i in enumerate(ins) if i[0] == 0x18 and i[2] == 0]
     assert wide.count(250_000_000_000) == 2  # the threshold, for futexwait and offcpu, past 32 bits
     assert any(i[0] == 0x55 and i[4] == 202 for i in ins)  # the futex syscall number
-    only_offcpu = _decode(ebpfraw.sched_program([1], 3, 7, 0, ("offcpu",), OFFSETS, 202, (0,)))
+    only_offcpu = _decode(ebpfraw.sched_program([1], 3, 7, 0, ("offcpu",), OFFSETS, 202, (0,), 4, 777))
     assert not any(i[0] == 0x85 and i[4] == ebpfraw.TASK_PT_REGS for i in only_offcpu)
     assert len(only_offcpu) < len(ins)
 
@@ -89,7 +99,7 @@ def test_pick_modulus_gives_each_thread_its_own_slot() -> None:
 @pytest.mark.skipif(not BTF.exists(), reason="this kernel has no BTF")
 def test_kernel_offsets_from_this_kernels_btf() -> None:
     o = ebpfraw.kernel_offsets()
-    assert set(o) == {"pid", "tgid", "ran", "ran_before", "run_delay", "orig_ax", "si", "di"}
+    assert set(o) == {"pid", "tgid", "ran", "ran_before", "run_delay", "arrived", "orig_ax", "si", "di"}
     assert o["tgid"] == o["pid"] + 4  # pid_t pid; pid_t tgid; side by side in task_struct
     assert o["ran_before"] - o["ran"] == 8  # sum_exec_runtime, then prev_sum_exec_runtime
 
@@ -187,7 +197,7 @@ def test_a_wait_woken_and_never_switched_out_again_ends_when_its_thread_got_the_
 
 
 def test_a_wait_opens_only_on_a_sleep_not_a_preemption_or_a_stop() -> None:
-    ins = _decode(ebpfraw.sched_program([1], 3, 7, 0, ("futexwait",), OFFSETS, 202, (0,)))
+    ins = _decode(ebpfraw.sched_program([1], 3, 7, 0, ("futexwait",), OFFSETS, 202, (0,), 4, 777))
     ctx_reads = [i[3] for i in ins if i[0] == 0x79 and i[2] == 6]  # loads from the tracepoint's arguments
     assert ctx_reads == [0, 24]  # preempt, then prev_state
     at = next(k for k, i in enumerate(ins) if i[0] == 0x79 and i[2] == 6 and i[3] == 24)

@@ -149,12 +149,22 @@ def test_thread_files_are_read_through_held_descriptors_and_closed_with_their_th
         assert first_tid not in now and second_tid in now
         assert memo.held == 4 * len(now) == _own_fds() - fds0  # the exited thread's four are closed
         assert now[proc.pid] is not main  # it ran (read the line): read again, through its held files
-        # the same answer as a plain read, field by field
-        plain = {t.tid: t for t in procfs.read_threads(proc.pid, switches=False)[0]}
-        assert set(plain) == set(now)
-        for tid, t in plain.items():
-            for field in ("comm", "state", "futex_addr", "syscall_nr"):
-                assert getattr(now[tid], field) == getattr(t, field), (tid, field)
+        # the same answer as a plain read, field by field: the two reads are moments apart, and a
+        # thread can be running at one and sleeping at the other, so a pair read back to back that
+        # agrees is looked for (a memo that read stale files would never agree)
+        fields = ("comm", "state", "futex_addr", "syscall_nr")
+
+        def differ() -> list[tuple[int, str]]:
+            held = {t.tid: t for t in procfs.read_threads(proc.pid, unchanged=memo, switches=False)[0]}
+            plain = {t.tid: t for t in procfs.read_threads(proc.pid, switches=False)[0]}
+            assert set(plain) == set(held) == set(now)
+            return [(tid, f) for tid, t in plain.items() for f in fields if getattr(held[tid], f) != getattr(t, f)]
+
+        for _ in range(50):
+            if not (mismatch := differ()):
+                break
+            time.sleep(0.02)
+        assert not mismatch
         # the process gone: every descriptor is closed at the next read, which finds nothing
         proc.stdin.write("\n\n")
         proc.stdin.flush()

@@ -388,7 +388,7 @@ def test_detach_on_timeout_error_and_ctrl_c(spawn: Callable[..., Target], monkey
     before = _bpf_descriptors()
     t0 = time.monotonic()
     run = ebpf.start_probes([target.pid], "on", backend="rawtp", max_s=1.0)
-    assert run.backend.name == "rawtp" and len(_bpf_descriptors()) == len(before) + 3  # map, program, link
+    assert run.backend.name == "rawtp" and len(_bpf_descriptors()) == len(before) + 4  # 2 maps, program, link
     deadline = time.monotonic() + 15
     while run._raw.attached and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -571,3 +571,32 @@ def test_rawtp_counts_known_waits_and_a_carried_one(spawn: Callable[..., Target]
     c = threads[carried]
     assert c["waits"] <= 1 and c["futex_addr"] is None and not c["parked_throughout"]
     assert c["total_wait_s"] >= t_released - t_attached - 0.05
+
+
+@needs_rawtp
+def test_the_kernels_count_of_a_probes_runs(spawn: Callable[..., Target]) -> None:
+    """What bench/probe_overhead.py reads of a probe's cost: with the kernel's run-time statistics
+    held, rawtp's program is a new program id, and its run count and time rise while a target
+    thread sleeps and wakes; released, the count stops."""
+    from wedgectl.collect import ebpfraw
+
+    target = spawn(TARGETS / "deadlock.py")
+    target.expect("ready")
+    with ebpfraw.run_time_stats():
+        before = set(ebpfraw.prog_ids())
+        run = ebpf.start_probes([target.pid], "on", backend="rawtp", max_s=10)
+        try:
+            assert run.backend.name == "rawtp"
+            new = [i for i in ebpfraw.prog_ids() if i not in before]
+            assert len(new) == 1
+            ns0, n0 = ebpfraw.prog_run_time(new[0])
+            for _ in range(20):
+                time.sleep(0.01)  # this process's sleeps are switches the program runs on too
+            ns1, n1 = ebpfraw.prog_run_time(new[0])
+        finally:
+            run.stop()
+    assert n1 - n0 >= 20 and ns1 > ns0
+    deadline = time.monotonic() + 10
+    while ebpfraw.prog_run_time(new[0]) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)  # the kernel frees a closed program after an RCU grace period
+    assert ebpfraw.prog_run_time(new[0]) is None  # detached and closed: gone

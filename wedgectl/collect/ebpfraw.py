@@ -14,17 +14,22 @@ switched out, and is switched back in when woken.
 What runs, on the switch-out of a thread of the target tgids only (another process's switch
 costs a helper call, a load and a compare per tgid), with one array slot per thread:
 
+- the clock: "now" is the scheduler's, read from the task switching out, with no helper call:
+  when it last got a CPU (sched_info.last_arrival) plus the CPU time it has run since
+  (se.sum_exec_runtime - se.prev_sum_exec_runtime, both brought up to date on the way out).
+  The first switch-out of one of wedgectl's own threads after the attach also reads
+  bpf_ktime_get_ns into a one-entry epoch map: read() turns the program's times into
+  CLOCK_MONOTONIC ones with it.
 - futexwait: a thread that goes to sleep (not preempted; prev_state interruptible or
   uninterruptible, not stopped or traced) inside the futex syscall with a wait op has (now,
   address, its CPU time) put in its slot. At its next switch-out, of any kind, that wait has
-  ended: it ended when the thread got the CPU back, now less the CPU time it has run since
-  (se.sum_exec_runtime - se.prev_sum_exec_runtime). A wait that outlasted the threshold is
-  counted and summed. If the two clocks disagree (more CPU time than the whole span), the
-  wait is not counted. A wait whose thread was woken and ran on to the detach without
+  ended: it ended when the thread last got a CPU (sched_info.last_arrival). A wait that
+  outlasted the threshold is counted and summed; one that ended before it began (the clocks
+  disagree) is not counted. A wait whose thread was woken and ran on to the detach without
   another switch-out is closed by read(), against /proc's read at the end (ended_wait_ns).
   A thread already in a futex wait when the program attached (read from
-  /proc/PID/task/TID/syscall) gets its slot seeded: its wait, once it ends, is counted from
-  the attach as "carried", as the tracepoint version counts it.
+  /proc/PID/task/TID/syscall) gets its slot seeded: the program notes when that wait ended,
+  and read() counts it from the attach as "carried", as the tracepoint version counts it.
 - offcpu: what the time since the thread's previous switch-out holds beyond its CPU time and
   its run-queue time (se.sum_exec_runtime, sched_info.run_delay), it spent blocked; blocks
   over the threshold are counted and summed.
@@ -40,8 +45,8 @@ CAP_BPF + CAP_PERFMON.
 A slot is tid % modulus, the modulus picked so that the threads present at the attach each
 get their own; a thread that appears later and lands on a slot another holds goes uncounted,
 and is reported (read(): "slot_lost"; its waits read as unknown). Limits: prev_sum_exec_runtime
-is the fair class's, so a real-time thread's waits read as "clocks disagree" and are not
-counted; a wait split inside one syscall (a spurious wake-up, a restart) counts as two, or, if
+is the fair class's, so a real-time thread's "now" runs ahead and its waits are not counted
+("clocks disagree") or counted short; a wait split inside one syscall (a spurious wake-up, a restart) counts as two, or, if
 resumed through restart_syscall, not at all.
 """
 
@@ -69,6 +74,8 @@ MIN_KERNEL = (5, 18)  # sched_switch's prev_state argument
 PROBES = ("futexwait", "offcpu")
 
 BPF_MAP_CREATE, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_PROG_LOAD, BPF_RAW_TRACEPOINT_OPEN = 0, 1, 2, 5, 17
+BPF_PROG_GET_NEXT_ID, BPF_PROG_GET_FD_BY_ID, BPF_OBJ_GET_INFO_BY_FD, BPF_ENABLE_STATS = 11, 13, 15, 32
+PROG_INFO_SIZE, PROG_INFO_RUN_TIME = 216, 192  # struct bpf_prog_info up to recursion_misses; run_time_ns, run_cnt at 192
 BPF_MAP_TYPE_ARRAY = 2
 BPF_PROG_TYPE_RAW_TRACEPOINT = 17
 ATTR_SIZE = 128  # union bpf_attr, zero-padded: the kernel reads the fields it knows
@@ -78,12 +85,16 @@ LOG_SIZE = 1 << 16
 MAP_LOOKUP_ELEM, KTIME_GET_NS, GET_CURRENT_TASK_BTF, TASK_PT_REGS = 1, 5, 158, 175
 
 # One slot per thread, u64 fields in this order.
-FIELDS = ("tid", "since", "addr", "nwaits", "wait_ns", "carried_open", "ncarried", "seen",
+FIELDS = ("tid", "since", "addr", "nwaits", "wait_ns", "carried_open", "carried_end", "seen",
           "oc_at", "oc_run", "oc_rq", "oc_nblocked", "oc_blocked_ns", "open_ran")
+# The clock epoch: one entry, (CLOCK_MONOTONIC ns, the scheduler's clock ns) read together, at a
+# switch-out of one of wedgectl's own threads: how read() turns the program's times into monotonic ones.
+EPOCH = ("mono", "sched")
 OFF = {name: 8 * i for i, name in enumerate(FIELDS)}
 SLOT = 8 * len(FIELDS)
 MAX_SLOTS = 1 << 16  # 7.3 MB of kernel memory at most
 MODULUS_TRIES = 512
+EPOCH_WAIT_S = 1.0  # for the program's first run on one of wedgectl's own threads (a 1 ms sleep gives one)
 
 
 # --- instructions ------------------------------------------------------------------------
@@ -200,6 +211,11 @@ _libc: ctypes.CDLL | None = None  # loaded at the first call, then kept: a read 
 
 
 def _bpf(cmd: int, attr: bytes) -> int:
+    return _bpf_buf(cmd, ctypes.create_string_buffer(attr.ljust(ATTR_SIZE, b"\0"), ATTR_SIZE))
+
+
+def _bpf_buf(cmd: int, buf: ctypes.Array) -> int:
+    """bpf(2) on an attribute buffer the kernel may write back into (an id, a descriptor)."""
     global _libc
     nr = BPF_NR.get(platform.machine())
     if nr is None:
@@ -207,7 +223,6 @@ def _bpf(cmd: int, attr: bytes) -> int:
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.syscall.restype = ctypes.c_long
-    buf = ctypes.create_string_buffer(attr.ljust(ATTR_SIZE, b"\0"), ATTR_SIZE)
     fd = _libc.syscall(nr, cmd, buf, ATTR_SIZE)
     if fd < 0:
         err = ctypes.get_errno()
@@ -268,6 +283,48 @@ def attached(tracepoints: tuple[str, ...], code: bytes = EMPTY) -> Iterator[None
             os.close(fd)
 
 
+# --- what the loaded programs cost: the kernel's own run-time statistics (bench/) ------------
+
+def prog_ids() -> list[int]:
+    """The ids of every BPF program loaded on the host, any loader's."""
+    ids, at = [], 0
+    while True:
+        attr = ctypes.create_string_buffer(struct.pack("<III", at, 0, 0), ATTR_SIZE)
+        try:
+            _bpf_buf(BPF_PROG_GET_NEXT_ID, attr)
+        except OSError:  # ENOENT: past the last one
+            return ids
+        at = struct.unpack_from("<I", attr.raw, 4)[0]
+        ids.append(at)
+
+
+def prog_run_time(prog_id: int) -> tuple[int, int] | None:
+    """(ns spent in the program, times it ran) since it was loaded, counted while run_time_stats()
+    is held by anyone; None if the program has gone."""
+    try:
+        fd = _bpf(BPF_PROG_GET_FD_BY_ID, struct.pack("<III", prog_id, 0, 0))
+    except OSError:
+        return None
+    try:
+        info = ctypes.create_string_buffer(PROG_INFO_SIZE)
+        _bpf(BPF_OBJ_GET_INFO_BY_FD, struct.pack("<IIQ", fd, PROG_INFO_SIZE, ctypes.addressof(info)))
+        ns, runs = struct.unpack_from("<QQ", info.raw, PROG_INFO_RUN_TIME)
+        return ns, runs
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def run_time_stats() -> Iterator[None]:
+    """The kernel counts each program's run time while this is held (BPF_ENABLE_STATS; each run then
+    pays two clock reads), and stops when it is released, however the block ends."""
+    fd = _bpf(BPF_ENABLE_STATS, struct.pack("<I", 0))  # BPF_STATS_RUN_TIME
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
 # --- the kernel's BTF: where a field of one of its structs sits -----------------------------
 
 _BTF_EXTRA = {1: 4, 3: 12, 14: 4, 17: 4}  # kind: bytes after the type record (INT, ARRAY, VAR, DECL_TAG)
@@ -317,7 +374,7 @@ def btf_offsets(wanted: dict[str, set[str]], data: bytes) -> dict[str, dict[str,
 PROGRAM_FIELDS = {
     "task_struct": {"pid", "tgid", "se", "sched_info"},
     "sched_entity": {"sum_exec_runtime", "prev_sum_exec_runtime"},
-    "sched_info": {"run_delay"},
+    "sched_info": {"run_delay", "last_arrival"},
     "pt_regs": {"orig_ax", "si", "di"},
 }
 
@@ -330,28 +387,51 @@ def kernel_offsets(path: Path = BTF_PATH) -> dict[str, int]:
     return {"pid": task["pid"], "tgid": task["tgid"],
             "ran": task["se"] + se["sum_exec_runtime"], "ran_before": task["se"] + se["prev_sum_exec_runtime"],
             "run_delay": task["sched_info"] + o["sched_info"]["run_delay"],
+            "arrived": task["sched_info"] + o["sched_info"]["last_arrival"],
             "orig_ax": o["pt_regs"]["orig_ax"], "si": o["pt_regs"]["si"], "di": o["pt_regs"]["di"]}
 
 
 # --- the program --------------------------------------------------------------------------
 
+def now_into(dst: int, tmp: int, o: dict[str, int]) -> list[bytes]:
+    """dst = the scheduler's clock at this switch-out, with no helper call: when the task (r7) last
+    got a CPU (sched_info.last_arrival) plus the CPU time it has run since then (se.sum_exec_runtime
+    - se.prev_sum_exec_runtime, both brought up to date on the way out). tmp is used."""
+    return [load64(dst, 7, o["ran"]), load64(tmp, 7, o["ran_before"]), sub(dst, tmp),
+            load64(tmp, 7, o["arrived"]), add(dst, tmp)]
+
+
 def sched_program(tgids: Sequence[int], slots_fd: int, modulus: int, min_ns: int, probes: Iterable[str],
-                  offsets: dict[str, int], futex_nr: int, wait_cmds: Sequence[int]) -> bytes:
+                  offsets: dict[str, int], futex_nr: int, wait_cmds: Sequence[int], epoch_fd: int,
+                  own_tgid: int) -> bytes:
     """The sched_switch program (see the module's text). Registers: r6 the tracepoint's arguments
     (u64 each: preempt, prev, next, prev_state), r7 the task switching out, r8 its tid, r9 its slot;
-    the stack holds the slot index (fp-4) and the time (fp-16)."""
+    the stack holds the slot index (fp-4), the epoch's index (fp-8) and now (fp-16). Times are the
+    scheduler's clock (now_into), read from the task, not bpf_ktime_get_ns: that helper was 40-80 ns
+    of each run on the futex storm (bench/probe_overhead.py --attach-points). The first switch-out
+    of one of wedgectl's own threads (own_tgid) records both clocks in the epoch map."""
     probes = set(probes)
     fw, oc = "futexwait" in probes, "offcpu" in probes
     o = offsets
     items: list[Item] = [
         mov(6, 1), call(GET_CURRENT_TASK_BTF), mov(7, 0),
-        load32(1, 7, o["tgid"]), *[jump_if("==", 1, int(t), "in") for t in tgids], goto("out"),
+        load32(1, 7, o["tgid"]), jump_if("!=", 1, int(own_tgid), "filter"),
+        # wedgectl's own thread: the epoch, once (the helper's cost is paid here only)
+        mov_imm(1, 0), insn(0x63, 10, 1, -8),
+        ld_map(1, epoch_fd), mov(2, 10), add_imm(2, -8), call(MAP_LOOKUP_ELEM),
+        jump_if("==", 0, 0, "reload"), mov(9, 0),
+        load64(1, 9, 0), jump_if("!=", 1, 0, "reload"),
+        call(KTIME_GET_NS), store64(9, 0, 0), *now_into(1, 2, o), store64(9, 1, 8),
+        label("reload"),
+        load32(1, 7, o["tgid"]),
+        label("filter"),
+        *[jump_if("==", 1, int(t), "in") for t in tgids], goto("out"),
         label("in"),
         load32(8, 7, o["pid"]),
         mov(1, 8), insn(0x97, 1, imm=modulus), insn(0x63, 10, 1, -4),  # *(u32 *)(fp - 4) = tid % modulus
         ld_map(1, slots_fd), mov(2, 10), add_imm(2, -4), call(MAP_LOOKUP_ELEM),
         jump_if("==", 0, 0, "out"), mov(9, 0),
-        call(KTIME_GET_NS), store64(10, 0, -16),
+        *now_into(1, 2, o), store64(10, 1, -16),
         load64(1, 9, OFF["tid"]), jump_if_reg("==", 1, 8, "mine"),
         # another thread's slot: this one goes uncounted (read() names it), the holder keeps its counts
         jump_if("!=", 1, 0, "out"),
@@ -360,20 +440,18 @@ def sched_program(tgids: Sequence[int], slots_fd: int, modulus: int, min_ns: int
         goto("fresh"),
         label("mine"),
     ]
-    if fw:  # the wait this thread slept in has ended: it got the CPU back `ran` ns ago
+    if fw:  # the wait this thread slept in has ended: when it last got a CPU
         items += [
+            load64(0, 7, o["arrived"]),
+            load64(5, 9, OFF["carried_open"]), jump_if("!=", 5, 0, "fw_carried"),
             load64(2, 9, OFF["since"]), jump_if("==", 2, 0, "fw_done"),
-            load64(5, 9, OFF["carried_open"]),
-            mov_imm(1, 0), store64(9, 1, OFF["since"]), store64(9, 1, OFF["carried_open"]),
-            load64(3, 7, o["ran"]), load64(4, 7, o["ran_before"]), sub(3, 4),
-            load64(0, 10, -16), sub(0, 2),  # now - since
-            jump_if_reg(">", 3, 0, "fw_done"),  # ran longer than that: the two clocks disagree, not counted
-            sub(0, 3),  # the wait: back on a CPU - since
+            mov_imm(1, 0), store64(9, 1, OFF["since"]),
+            jump_if_reg("<", 0, 2, "fw_done"),  # back before it began: the clocks disagree, not counted
+            sub(0, 2),  # the wait
             ld_imm64(4, min_ns), jump_if_reg("<", 0, 4, "fw_done"),
-            *bump(9, "wait_ns", 0),
-            jump_if("!=", 5, 0, "fw_carried"),
-            *bump(9, "nwaits"), goto("fw_done"),
-            label("fw_carried"), *bump(9, "ncarried"),
+            *bump(9, "wait_ns", 0), *bump(9, "nwaits"), goto("fw_done"),
+            # a wait in progress at the attach: read() counts it from there, in the monotonic clock
+            label("fw_carried"), mov_imm(1, 0), store64(9, 1, OFF["carried_open"]), store64(9, 0, OFF["carried_end"]),
             label("fw_done"),
         ]
     if oc:  # what the time since its last switch-out holds beyond CPU and run-queue time, it was blocked
@@ -470,8 +548,12 @@ def trial(probes: tuple[str, ...]) -> None:
         raise OSError(why)
     slots = array_map(SLOT, 64)
     try:
-        os.close(load(sched_program([os.getpid()], slots, 64, 0, probes, kernel_offsets(), _futex_nr(machine),
-                                    WAIT_CMDS)))
+        epoch = array_map(8 * len(EPOCH), 1)
+        try:
+            os.close(load(sched_program([os.getpid()], slots, 64, 0, probes, kernel_offsets(), _futex_nr(machine),
+                                        WAIT_CMDS, epoch, os.getpid())))
+        finally:
+            os.close(epoch)
     finally:
         os.close(slots)
 
@@ -493,23 +575,40 @@ class SchedProbe:
         self._lock = threading.Lock()
         self.fds: list[int] = []
         self.slots: int | None = array_map(SLOT, self.modulus)
+        self.epoch: int | None = None
         self.t_end: int | None = None
         self.min_ns = max(0, int(min_ns))
         try:
+            self.epoch = array_map(8 * len(EPOCH), 1)
             code = sched_program(tgids, self.slots, self.modulus, self.min_ns, self.probes, kernel_offsets(),
-                                 _futex_nr(machine), WAIT_CMDS)
+                                 _futex_nr(machine), WAIT_CMDS, self.epoch, os.getpid())
             self.instructions = len(code) // 8
             self.fds.append(load(code))
-            since = time.monotonic_ns()  # CLOCK_MONOTONIC, as bpf_ktime_get_ns; the seeds go in just before the attach
+            # a carried wait counts from here (CLOCK_MONOTONIC); the seeds go in just before the attach
+            self.seeded_at = time.monotonic_ns()
             if "futexwait" in self.probes:
                 for tid, (addr, ran) in seeds.items():
                     update(self.slots, tid % self.modulus,
-                           self.slot_bytes(tid=tid, since=since, addr=addr, carried_open=1, open_ran=ran))
+                           self.slot_bytes(tid=tid, addr=addr, carried_open=1, open_ran=ran))
             self.fds.append(attach(self.fds[0], "sched_switch"))
             self.t_begin = time.monotonic_ns()
+            self.offset = self._clock_offset()
         except BaseException:
             self.close()
             raise
+
+    def _clock_offset(self, within_s: float = EPOCH_WAIT_S) -> int:
+        """CLOCK_MONOTONIC less the scheduler's clock, from the epoch the program records at a
+        switch-out of one of this process's threads: this thread's sleeps give it one."""
+        assert self.epoch is not None
+        deadline = time.monotonic() + within_s
+        while True:
+            time.sleep(0.001)
+            mono, sched = struct.unpack(f"<{len(EPOCH)}Q", lookup(self.epoch, 0, 8 * len(EPOCH)))
+            if mono:
+                return mono - sched
+            if time.monotonic() > deadline:
+                raise OSError(f"the program did not run in {within_s:g} s (no switch-out of wedgectl's own thread)")
 
     def _shared(self, tids: list[int]) -> set[int]:
         by: dict[int, list[int]] = {}
@@ -556,19 +655,30 @@ class SchedProbe:
                 if v["tid"] or tid in self.shared:
                     lost.add(tid)
                 continue
+            ncarried = 0
+            if v["carried_end"]:  # a wait in progress at the attach, ended when its thread got a CPU back
+                d = v["carried_end"] + self.offset - self.seeded_at
+                if d >= self.min_ns:
+                    v["wait_ns"] += d
+                    ncarried += 1
+            # a wait still open in the program, monotonic: carried ones from the attach
+            since = self.seeded_at if v["carried_open"] else v["since"] + self.offset if v["since"] else 0
             waiting_on, ran_end = ends[tid]
-            if v["since"] and waiting_on != v["addr"]:  # woken since, and never switched out after
-                d = ended_wait_ns(v["since"], v["open_ran"], t_end, ran_end)
+            if since and waiting_on != v["addr"]:  # woken since, and never switched out after
+                d = ended_wait_ns(since, v["open_ran"], t_end, ran_end)
                 if d is not None and d >= self.min_ns:
                     v["wait_ns"] += d
-                    v["ncarried" if v["carried_open"] else "nwaits"] += 1
-                v["since"], v["carried_open"], v["seen"] = 0, 0, 1
+                    if v["carried_open"]:
+                        ncarried += 1
+                    else:
+                        v["nwaits"] += 1
+                since, v["carried_open"], v["seen"] = 0, 0, 1
             if "futexwait" in self.probes and v["seen"]:
-                maps["fw_at"][tid] = (0 if v["carried_open"] else v["since"], v["addr"])
-            for name, field in (("fw_nwaits", "nwaits"), ("fw_wait_ns", "wait_ns"), ("fw_carried", "ncarried"),
-                                ("oc_nblocked", "oc_nblocked"), ("oc_blocked_ns", "oc_blocked_ns")):
-                if v[field]:
-                    maps[name][tid] = v[field]
+                maps["fw_at"][tid] = (0 if v["carried_open"] else since, v["addr"])
+            for name, value in (("fw_nwaits", v["nwaits"]), ("fw_wait_ns", v["wait_ns"]), ("fw_carried", ncarried),
+                                ("oc_nblocked", v["oc_nblocked"]), ("oc_blocked_ns", v["oc_blocked_ns"])):
+                if value:
+                    maps[name][tid] = value
         maps["t_begin"] = self.t_begin
         maps["t_end"] = t_end
         maps["untraced"] = ("fw_wakes", "fw_woken")
@@ -581,9 +691,10 @@ class SchedProbe:
 
     def close(self) -> None:
         self.detach()
-        slots, self.slots = self.slots, None
-        if slots is not None:
-            os.close(slots)
+        for fd in (self.slots, self.epoch):
+            if fd is not None:
+                os.close(fd)
+        self.slots = self.epoch = None
 
     def __enter__(self) -> SchedProbe:
         return self
