@@ -357,6 +357,30 @@ def test_a_throttled_runnable_engine_is_not_a_deadlock_though_its_run_delay_unde
     assert not [k for k in range(2, len(b.samples) + 1) if classify(prefix(b, k)).verdict in HANGS]
 
 
+ZERO_INTERVAL = Path(__file__).parent / "fixtures" / "bundles" / "engine-throttled-log-zero-interval.tar.gz"
+
+
+def test_a_log_stats_interval_at_zero_is_not_a_deadlock_while_the_live_engine_waits_for_a_cpu():
+    """Recorded in CI (a fresh clone, two CPU hogs on 2 CPUs): the live CPU-limit test's engine,
+    held to 1 ms of CPU a second, logged a whole stats interval at 0 tokens/s with 2 running. Its
+    first two samples, too close together for the live rules, read the log's zero interval as a
+    certain engine deadlock, though the engine's threads were runnable and its quota spent in
+    the one period between them. No prefix names a hang now, and the whole window still says the
+    engine waits for a CPU."""
+    b = replace(read_bundle(ZERO_INTERVAL), verdict=None)
+    s = Facts(b).last_stats
+    assert s is not None and s.running == 2 and s.gen_tps == 0 and s.prompt_tps == 0
+    first = Facts(prefix(b, 2))
+    assert first.is_live and first.engine_queued and first.engine_throttled and first.engine_parked
+    verdicts = [classify(prefix(b, k)) for k in range(2, len(b.samples) + 1)]
+    assert not [(v.verdict, v.rule) for v in verdicts if v.verdict in HANGS]
+    assert verdicts[0].rule != "log_engine_deadlock"
+    assert (verdicts[-1].verdict, verdicts[-1].rule) == (VerdictKind.INCONCLUSIVE, "live_engine_waits_for_cpu")
+    # the log alone (no live capture) still reads the zero interval as a stop
+    log_only = replace(b, samples=())
+    assert not Facts(log_only).is_live and classify(log_only).rule == "log_engine_deadlock"
+
+
 def _asleep(b, runnable: str | None = None):
     """b with every thread of its CPU-limited processes asleep (state S), but the Worker's threads
     named `runnable`, which are runnable (state R, in no system call)."""

@@ -81,9 +81,15 @@ def log_engine_deadlock(f: Facts) -> bool:
     non-zero (then once more at 0.0), so a stop with Running >= 1 means the engine stopped
     producing with work in flight (seed 002). A whole stats interval at 0 tokens/s (prompt and
     generation) with requests running is a stop in itself: a running request emits a token
-    every step."""
+    every step. Not where a live capture sees the engine runnable but given no CPU (queued behind
+    the host's other work, or its cgroup's quota spent) while it uses next to none: the stop is
+    the host's, and the live rules say so once the window is long enough (seen: an engine held
+    to 1 ms of CPU a second logged a whole interval at 0 tokens/s with 2 running, and the first
+    two samples read as a certain deadlock)."""
     s = f.last_stats
     if s is None or s.running < 1:
+        return False
+    if f.is_live and (f.engine_queued or f.engine_throttled) and f.engine_parked:
         return False
     silence = f.log_silence_s or 0
     stopped = _deadlock_silent(f) and (s.gen_tps == 0 or silence >= LOG_SILENCE_S)
