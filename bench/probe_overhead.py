@@ -237,9 +237,7 @@ def attach_rows(args: argparse.Namespace) -> list:
             off, on, seen = interleaved(args.rounds, untraced,
                                         lambda b=backend: phase(work, args.seconds, ("futexwait",), b,
                                                                 args.min_wait_ms / 1000))
-            acct = account(work.cpu_ns, lambda b=backend: ebpf.start_probes(
-                [work.proc.pid], "auto", probes=("futexwait",), backend=b, max_s=args.seconds + 10,
-                min_wait_s=args.min_wait_ms / 1000), args.seconds)
+            acct = account(args, work.cpu_ns, [work.proc.pid], ("futexwait",), backend)
             rows.append({"label": "futexwait", "backend": seen[-1].get("backend"), "off": off, "on": on,
                          "account": acct})
     finally:
@@ -260,7 +258,8 @@ def print_attach(args: argparse.Namespace, rows: list) -> None:
             print(f"{'':<24} {account_line(r['account'], row_bound(r, args.switch_cost))}")
 
 
-def account(cpu: Callable[[], int], start: Callable[[], ebpf.ProbeRun | None], seconds: float) -> dict | None:
+def account(args: argparse.Namespace, cpu: Callable[[], int], pids: list[int], probes: tuple[str, ...],
+            backend: str) -> dict | None:
     """One more traced phase, with the kernel's run-time statistics on: what the BPF programs the
     probe loaded cost, by the kernel's own count (ns inside them, runs), against the workload's CPU
     over the same span. Apart from the throughput rounds, as the statistics add two clock reads to
@@ -269,30 +268,26 @@ def account(cpu: Callable[[], int], start: Callable[[], ebpf.ProbeRun | None], s
     caches it disturbs and a back-end's own process come on top). It over-counts in one way: a
     program on the scheduler also runs, and is counted, on other processes' switches. None where
     the kernel will not keep statistics."""
-    try:
-        stats = ebpfraw.run_time_stats()
-        stats.__enter__()
-    except OSError as exc:
-        print(f"  run-time statistics: {exc}", file=sys.stderr)
-        return None
-    try:
-        before = set(ebpfraw.prog_ids())
-        run = start()
+    with contextlib.ExitStack() as held:
         try:
-            ids = [i for i in ebpfraw.prog_ids() if i not in before]
+            held.enter_context(ebpfraw.run_time_stats())
+        except OSError as exc:
+            print(f"  run-time statistics: {exc}", file=sys.stderr)
+            return None
+        before = set(ebpfraw.prog_ids())
+        run = ebpf.start_probes(pids, "auto", probes=probes, backend=backend, max_s=args.seconds + 10,
+                                min_wait_s=args.min_wait_ms / 1000)
+        if run is not None:
+            held.callback(run.stop)
+        ids = [i for i in ebpfraw.prog_ids() if i not in before]
 
-            def total() -> tuple[int, int]:
-                got = [g for g in map(ebpfraw.prog_run_time, ids) if g is not None]
-                return sum(ns for ns, _ in got), sum(n for _, n in got)
+        def total() -> tuple[int, int]:
+            got = [g for g in map(ebpfraw.prog_run_time, ids) if g is not None]
+            return sum(ns for ns, _ in got), sum(n for _, n in got)
 
-            (ns0, n0), c0, t0 = total(), cpu(), time.monotonic()
-            time.sleep(seconds)
-            (ns1, n1), c1, t1 = total(), cpu(), time.monotonic()
-        finally:
-            if run is not None:
-                run.stop()
-    finally:
-        stats.__exit__(None, None, None)
+        (ns0, n0), c0, t0 = total(), cpu(), time.monotonic()
+        time.sleep(args.seconds)
+        (ns1, n1), c1, t1 = total(), cpu(), time.monotonic()
     runs, ns = n1 - n0, ns1 - ns0
     return {"programs": len(ids), "runs_per_s": runs / (t1 - t0), "ns_per_run": ns / runs if runs else float("nan"),
             "ms_per_s": ns / 1e6 / (t1 - t0), "cost": ns / (c1 - c0) if c1 > c0 else float("nan"),
@@ -416,10 +411,8 @@ def storm_rows(args: argparse.Namespace, configs: list[tuple[str, tuple[str, ...
                 return r
 
             off, on, seen = interleaved(args.rounds, lambda: side(None), lambda: side(probes))
-            acct = None if args.backend == "procfs" else account(
-                work.cpu_ns, lambda p=probes: ebpf.start_probes([work.proc.pid], "auto", probes=p, backend=args.backend,
-                                                                max_s=args.seconds + 10,
-                                                                min_wait_s=args.min_wait_ms / 1000), args.seconds)
+            acct = None if args.backend == "procfs" else account(args, work.cpu_ns, [work.proc.pid], probes,
+                                                                  args.backend)
             rows.append({"label": label, "backend": seen[-1].get("backend"), "off": off, "on": on,
                          "wakes_per_s": statistics.median(s["wakes_per_s"] for s in seen),
                          "pylock_per_s": statistics.median(s["pylock_per_s"] for s in seen),
@@ -516,10 +509,8 @@ def vllm_rows(args: argparse.Namespace, configs: list[tuple[str, tuple[str, ...]
                     return r
 
                 off, on, seen = interleaved(args.rounds, lambda: side(untraced, False), lambda: side(traced, True))
-                acct = None if args.backend == "procfs" else account(
-                    lambda: cpu_ns(pids), lambda p=probes: ebpf.start_probes(
-                        pids, "auto", probes=p, backend=args.backend, max_s=args.seconds + 10,
-                        min_wait_s=args.min_wait_ms / 1000), args.seconds)
+                acct = None if args.backend == "procfs" else account(args, lambda: cpu_ns(pids), pids, probes,
+                                                                      args.backend)
                 rows.append({"label": label, "backend": seen[-1].get("backend"), "off": off, "on": on,
                              "cpu_off": cpu[False], "cpu_on": cpu[True], "account": acct})
     finally:
