@@ -5,27 +5,64 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
+from wedgectl import bounds
 from wedgectl.probes import DEFAULT_MIN_WAIT_MS, EXIT_FAILED, EXIT_GONE, EXIT_NO_BACKEND, EXIT_OK, EXIT_PERMISSION, EXIT_USAGE
 
-MAX_WINDOW_S = 300.0
+MAX_WINDOW_S = bounds.PROBE_WINDOW_S
 PLACEHOLDER_LIB = "/path/to/libpython3.X.so"  # --ebpf without a python target still shows the uprobe
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a usage error in one line and EXIT_USAGE, as wedgectl's own commands give it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see -h)\n")
+
+
+def _number(kind: Callable[[str], float], lo: float, hi: float, *, above: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in the range (wedgectl.bounds, which wedgectl's options use too)."""
+    def parse(text: str) -> float:
+        value = kind(text)  # a ValueError: argparse says "invalid float value"
+        if not bounds.in_range(value, lo, hi, above=above):
+            raise argparse.ArgumentTypeError(f"must be {bounds.describe(lo, hi, above=above)}, not {value!r}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _pids(text: str) -> list[int]:
+    """-p: comma-separated pids, each 1..pid_t's largest."""
+    try:
+        pids = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad pid list: {text[:200]!r}") from None
+    if not pids:
+        raise argparse.ArgumentTypeError("no pid given")
+    for pid in pids:
+        if not bounds.in_range(pid, 1, bounds.MAX_PID):
+            raise argparse.ArgumentTypeError(f"each pid must be {bounds.describe(1, bounds.MAX_PID)}, not {pid}")
+    return pids
 
 
 def parser(prog: str, summary: str, epilog: str) -> argparse.ArgumentParser:
     """-p/--pid, -d/--duration, --min-wait-ms, --backend, --max-entries, --no-children, --json, and the hidden --ebpf."""
-    p = argparse.ArgumentParser(prog=prog, description=summary, epilog=epilog,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-p", "--pid", required=True,
+    p = _Parser(prog=prog, description=summary, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-p", "--pid", required=True, type=_pids,
                    help="pid(s) to trace, comma-separated; each one's descendants are traced too")
-    p.add_argument("-d", "--duration", type=float, default=5.0, help="seconds to trace (default 5, at most 300)")
-    p.add_argument("--min-wait-ms", type=float, default=DEFAULT_MIN_WAIT_MS,
+    p.add_argument("-d", "--duration", type=_number(float, 0, MAX_WINDOW_S, above=True), default=5.0,
+                   help="seconds to trace (default 5, at most 300)")
+    p.add_argument("--min-wait-ms", type=_number(float, 0, MAX_WINDOW_S * 1000),
+                   default=DEFAULT_MIN_WAIT_MS,
                    help=f"record only waits that outlast this, in ms (default {DEFAULT_MIN_WAIT_MS:g}); "
                         "shorter ones cost one map write and read and leave nothing")
     p.add_argument("--backend", choices=("auto", "bcc", "bpftrace", "rawtp", "procfs"), default="auto",
                    help="force a back-end (default: the best this host supports)")
-    p.add_argument("--max-entries", type=int, default=4096, help="entries per BPF map (default 4096)")
+    p.add_argument("--max-entries", type=_number(int, 1, bounds.PROBE_MAX_ENTRIES), default=4096,
+                   help="entries per BPF map (default 4096)")
     p.add_argument("--no-children", action="store_true", help="trace the given pids only, not their descendants")
     p.add_argument("--json", action="store_true", help="print JSON lines: a header, then one object per thread")
     p.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
@@ -34,18 +71,8 @@ def parser(prog: str, summary: str, epilog: str) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None, probes: Sequence[str], *, prog: str, summary: str, epilog: str) -> int:
     """Parse the arguments, print the program (--ebpf) or run the probes and print their results."""
-    args = parser(prog, summary, epilog).parse_args(argv)
-    try:
-        pids = [int(p) for p in str(args.pid).split(",") if p.strip()]
-    except ValueError:
-        print(f"bad pid list: {args.pid!r}", file=sys.stderr)
-        return EXIT_USAGE
-    if not pids or args.duration <= 0 or args.duration > MAX_WINDOW_S:
-        print(f"need pids and 0 < duration <= {MAX_WINDOW_S:.0f}", file=sys.stderr)
-        return EXIT_USAGE
-    if not 0 <= args.min_wait_ms <= MAX_WINDOW_S * 1000:
-        print(f"need 0 <= --min-wait-ms <= {MAX_WINDOW_S * 1000:.0f}", file=sys.stderr)
-        return EXIT_USAGE
+    args = parser(prog, summary, epilog).parse_args(argv)  # every number range-checked as it is parsed
+    pids: list[int] = args.pid
     from wedgectl.collect import ebpf, ebpfhost  # here, not at import: the collector loads the probes' text
 
     if args.ebpf:  # no root needed: text only, nothing attached

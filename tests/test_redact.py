@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from wedgectl.bundle import read_bundle, to_jsonable, write_bundle
+from wedgectl.errors import UnwritableOutput
 from wedgectl.redact import REDACTED, is_secret_name, redact_argv, redact_env, redact_obj, redact_text, redact_url
 from wedgectl.render import render_report, render_verdict, verdict_to_json
 from wedgectl.types import Bundle, Evidence, Manifest, ProcessSample, Role, Sample, Target, Verdict, VerdictKind
@@ -173,12 +174,14 @@ def test_bundles_are_written_redacted_and_private(tmp_path, suffix):
     assert back.manifest.target.url == f"http://{REDACTED}@127.0.0.1:8000"
 
 
-def test_an_existing_world_readable_file_is_narrowed(tmp_path):
+def test_an_existing_world_readable_file_is_never_written(tmp_path):
+    """Whoever made the file could read what we write into it: it is refused, not narrowed and reused."""
     target = tmp_path / "b.tar.gz"
     target.write_bytes(b"old")
     target.chmod(0o644)
-    write_bundle(_bundle_with_secrets(), target)
-    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    with pytest.raises(UnwritableOutput, match="already exists"):
+        write_bundle(_bundle_with_secrets(), target)
+    assert target.read_bytes() == b"old" and stat.S_IMODE(target.stat().st_mode) == 0o644
 
 
 def test_recorded_bundles_have_nothing_to_redact():

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import io
+import itertools
 import json
 import math
 import os
@@ -22,9 +24,10 @@ import typing
 import zlib
 from functools import cache
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Iterable
 
-from wedgectl.errors import BadBundle, UnreadableInput
+from wedgectl import bounds
+from wedgectl.errors import BadBundle, UnreadableInput, UnwritableOutput
 from wedgectl.redact import redact_obj, redact_text
 from wedgectl.sources import MAX_LOG_BYTES, open_regular, stat_input
 from wedgectl.types import (
@@ -176,9 +179,34 @@ def _build(cls: type, data: Any, path: str = "") -> Any:
             kwargs[f.name] = _convert(hints[f.name], data[f.name], where)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise _FieldError(where, "missing")
+    for name, value in kwargs.items():
+        _check_range(name, value, f"{path}.{name}" if path else name)
     if cls is StackDump:
         _check_pyspy_threads(kwargs.get("threads", ()), path)
     return cls(**kwargs)
+
+
+# Times and durations are range-checked as they are read (docs/bundle.md): a sample time of 1e18 passed
+# the type check, then broke the date a report prints (issue 33). A field named in TIME_FIELDS is a unix
+# time, 0 (not recorded) up to wedgectl.bounds.MAX_UNIX_TIME; one whose name ends in _s holds seconds,
+# 0 up to MAX_DURATION_S (a per-CPU clock offset may be negative). tests/test_security_numbers.py checks
+# that every float of the model is one or the other.
+TIME_FIELDS = frozenset({"t", "created", "started", "ended", "wait_started"})
+_SIGNED_SECONDS = frozenset({"clock_offsets_s"})
+
+
+def _check_range(name: str, value: Any, path: str) -> None:
+    if name in TIME_FIELDS:
+        lo, hi, what = 0.0, bounds.MAX_UNIX_TIME, "a unix time"
+    elif name.endswith("_s"):
+        lo, hi, what = (-bounds.MAX_DURATION_S if name in _SIGNED_SECONDS else 0.0), bounds.MAX_DURATION_S, "seconds"
+    else:
+        return
+    items = value.items() if isinstance(value, dict) else (("", value),)
+    for key, v in items:
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not bounds.in_range(v, lo, hi):
+            where = f"{path}.{key}" if key else path
+            raise _FieldError(where, f"{v!r} is out of range for {what} ({bounds.describe(lo, hi)})")
 
 
 def _check_pyspy_threads(threads: tuple[dict[str, Any], ...], path: str) -> None:
@@ -252,39 +280,171 @@ def decode(files: dict[str, bytes], origin: str) -> Bundle:
     return Bundle(manifest=manifest, samples=tuple(samples), log_lines=log_lines, verdict=verdict)
 
 
-def _open_private(path: Path) -> BinaryIO:
-    """path opened for writing, mode 0600 from its first byte (an existing file is narrowed too)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    os.fchmod(fd, 0o600)
+# --- writing: only new files, in directories of our own ----------------------------------------------
+
+# A bundle file is created, never opened: an existing file or link at its name (planted by someone who
+# would read what we write, or pointing at a file of ours) is refused, not truncated or followed.
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_MAX_NAME_TRIES = 100  # wedgectl-top-STAMP-1.tar.gz ... when one second saw several bundles
+
+
+def _refusal(path: Path, exc: OSError) -> UnwritableOutput:
+    """One line saying why nothing was written at path."""
+    shown = os.path.abspath(path)
+    if isinstance(exc, FileExistsError):
+        return UnwritableOutput(f"{shown}: already exists; a bundle is written only to a new path")
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):  # O_DIRECTORY|O_NOFOLLOW: ENOTDIR
+        return UnwritableOutput(f"{shown}: is a symbolic link; not followed")
+    if exc.errno == errno.ENOTDIR:
+        return UnwritableOutput(f"{shown}: not a directory (or under a file)")
+    return UnwritableOutput(f"{shown}: cannot write a bundle here: {exc.strerror or exc}")
+
+
+def _unsafe_dir(st: os.stat_result) -> str | None:
+    """Why a directory is no place for bundles, or None: it must be ours and writable by us alone, as
+    wedgectl makes it. In a directory another user owns or may write, they could swap, plant or read."""
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"is writable by other users (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def open_bundle_dir(path: str | Path, fresh: bool = False, create: bool = True) -> int:
+    """A directory to write bundles into, as a descriptor (O_DIRECTORY|O_NOFOLLOW) that every later
+    step is relative to, so a path swapped afterwards changes nothing. Made 0700 when missing (its
+    missing parents too) if create; with fresh, an existing one is refused; an existing one must not be
+    a link, and must be owned by our euid and writable by no one else. UnwritableOutput says why not."""
+    path = Path(path)
+    made = False
+    if create:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _refusal(path.parent, exc) from None
+        try:
+            os.mkdir(path, 0o700)
+            made = True
+        except FileExistsError:
+            if fresh:
+                raise _refusal(path, FileExistsError()) from None
+        except OSError as exc:
+            raise _refusal(path, exc) from None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _refusal(path, exc) from None
+    try:
+        problem = _unsafe_dir(os.fstat(fd))
+        if problem:
+            raise UnwritableOutput(f"{os.path.abspath(path)}: {problem}; bundles go only into a directory of your own")
+        if made:
+            os.fchmod(fd, 0o700)  # on the descriptor: a chmod by path would follow a link swapped in
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _create(name: str | Path, dir_fd: int | None, shown: Path) -> BinaryIO:
+    """A new file, mode 0600 from its first byte; UnwritableOutput when anything is at its name."""
+    try:
+        fd = os.open(name, _CREATE, 0o600, dir_fd=dir_fd)
+    except OSError as exc:
+        raise _refusal(shown, exc) from None
     return os.fdopen(fd, "wb")
 
 
-def write_bundle(bundle: Bundle, path: str | Path) -> Path:
-    """Write to a directory, or to a .tar.gz when the path ends so. Returns the path.
-
-    Only the owner may read it: files and the archive 0600, the directory 0700
-    (a bundle holds command lines, paths and logs even with secrets redacted)."""
+def _write_archive(files: dict[str, bytes], fh: BinaryIO, top: str) -> None:
     import tarfile  # here, not at the top: only a run that writes or reads a bundle pays for it
 
+    with tarfile.open(fileobj=fh, mode="w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(f"{top}/{name}")
+            info.size = len(data)
+            info.mtime = int(time.time())
+            info.mode = 0o600
+            tar.addfile(info, io.BytesIO(data))
+
+
+def _archive_top(name: str) -> str:
+    return name.removesuffix(".tar.gz").removesuffix(".tgz") or "bundle"
+
+
+def _unlink_own(path: Path) -> None:
+    """Remove a regular file of ours (our euid, not a link) at path: anything else stays, and the
+    writer then refuses it."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def write_bundle(bundle: Bundle, path: str | Path, replace_own: bool = False) -> Path:
+    """Write to a new directory, or to a new .tar.gz when the path ends so. Returns the path.
+
+    Only the owner may read it: files and the archive 0600, the directory 0700 (a bundle holds
+    command lines, paths and logs even with secrets redacted). Nothing that exists is written over:
+    an existing file, directory or link at path is refused (UnwritableOutput), as is every failure
+    to write. replace_own (a .tar.gz in a folder of the caller's own, as repro's): a file of ours
+    there is removed first, and the new one made in its place."""
     path = Path(path)
     files = encode(bundle)
-    if path.name.endswith((".tar.gz", ".tgz")):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        top = path.name.removesuffix(".tar.gz").removesuffix(".tgz") or "bundle"
-        with _open_private(path) as fh, tarfile.open(fileobj=fh, mode="w:gz") as tar:
+    try:
+        if path.name.endswith((".tar.gz", ".tgz")):
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise _refusal(path.parent, exc) from None
+            if replace_own:
+                _unlink_own(path)
+            with _create(path, None, path) as fh:
+                _write_archive(files, fh, _archive_top(path.name))
+            return path
+        dir_fd = open_bundle_dir(path, fresh=True)
+        try:
             for name, data in files.items():
-                info = tarfile.TarInfo(f"{top}/{name}")
-                info.size = len(data)
-                info.mtime = int(time.time())
-                info.mode = 0o600
-                tar.addfile(info, io.BytesIO(data))
-        return path
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
-    for name, data in files.items():
-        with _open_private(path / name) as fh:
-            fh.write(data)
+                with _create(name, dir_fd, path / name) as fh:
+                    fh.write(data)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:  # a write that failed half way (a full disk)
+        raise _refusal(path, exc) from None
     return path
+
+
+def write_archive_at(bundle: Bundle, dir_fd: int, names: Iterable[str], shown: str | Path = "") -> str:
+    """Write the bundle as a .tar.gz into the directory dir_fd (open_bundle_dir's), under the first
+    of names (plain file names) that is free. Returns that name; UnwritableOutput when none is."""
+    files = encode(bundle)
+    for name in itertools.islice(names, _MAX_NAME_TRIES):
+        if "/" in name or name in ("", ".", ".."):
+            raise ValueError(f"not a plain file name: {name!r}")
+        try:
+            fd = os.open(name, _CREATE, 0o600, dir_fd=dir_fd)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise _refusal(Path(shown) / name, exc) from None
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                _write_archive(files, fh, _archive_top(name))
+        except OSError as exc:
+            raise _refusal(Path(shown) / name, exc) from None
+        return name
+    raise UnwritableOutput(f"{os.path.abspath(shown)}: every name tried for the bundle is taken")
+
+
+def write_bundle_in(bundle: Bundle, directory: str | Path, names: Iterable[str]) -> Path:
+    """Write the bundle as a .tar.gz into directory (made 0700, or an existing one of ours:
+    open_bundle_dir), under the first of names that is free. Returns its path."""
+    dir_fd = open_bundle_dir(directory)
+    try:
+        return Path(directory) / write_archive_at(bundle, dir_fd, names, directory)
+    finally:
+        os.close(dir_fd)
 
 
 # --- reading archives: streamed, inflated under a cap, tar headers read here -------------------------

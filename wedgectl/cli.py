@@ -8,15 +8,15 @@ run, measured), where real ones were built once, at import.
 import contextlib
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
-from wedgectl import __version__, exitcodes
-from wedgectl.errors import WedgectlError
-from wedgectl.redact import redact_text
+from wedgectl import __version__, bounds, exitcodes
+from wedgectl.errors import UnwritableOutput, WedgectlError
+from wedgectl.redact import printable, redact_text
 from wedgectl.render import failure_summary, render_report
 from wedgectl.types import ProbeBackend, ProbeMode
 
@@ -37,17 +37,133 @@ def _echo(lines: Iterable[str]) -> None:
         typer.echo(redact_text(line))  # the renderers redact before wrapping; this is the last guard
 
 
+# --- what an option may be: checked as it is parsed, before a command does anything -----------------
+
+class _Refused(typer.BadParameter):
+    """A usage error whose message names the option itself ('--window must be > 0 and <= 86400, not nan')."""
+
+    def format_message(self) -> str:
+        return self.message
+
+
+def _values(value: Any) -> tuple[Any, ...]:
+    """An option's value(s): none for an option not given, each of a repeated one's."""
+    return () if value is None else tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def _within(lo: float, hi: float, *, above: bool = False) -> Callable[..., Any]:
+    """The callback every numeric option takes: its value (each value of a repeatable one) must be a
+    finite number in the range (bounds.in_range): nan, inf and out-of-range are usage errors."""
+
+    def check(ctx: typer.Context, param: typer.CallbackParam, value: Any) -> Any:
+        for v in _values(value):
+            if not bounds.in_range(v, lo, hi, above=above):
+                raise _Refused(f"{max(param.opts, key=len)} must be {bounds.describe(lo, hi, above=above)}, not {v!r}")
+        return value
+
+    return check
+
+
+_pid = _within(1, bounds.MAX_PID)
+_seconds = _within(0, bounds.DAY_S, above=True)  # windows, intervals, timeouts
+_count = _within(1, bounds.MAX_COUNT)
+
+
+def _url(ctx: typer.Context, param: typer.CallbackParam, value: Any) -> Any:
+    """--url: a well-formed http(s) URL with a host (a port, where given, 0..65535)."""
+    for url in _values(value):
+        problem = _url_problem(url)
+        if problem is not None:
+            raise _Refused(f"--url {url[:200]!r}: {problem}")
+    return value
+
+
+def _url_problem(url: str) -> str | None:
+    from urllib.parse import urlsplit
+
+    text = url.strip()
+    text = text if "://" in text else f"http://{text}"  # as the scraper reads it (collect/scrape.py)
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - urllib checks the port as it reads it
+    except ValueError as exc:
+        return f"not a URL ({exc})"
+    if parts.scheme.lower() not in ("http", "https"):
+        return "the scheme must be http or https"
+    if not parts.hostname:
+        return "no host"
+    if any(c <= " " or c == "\x7f" for c in text):
+        return "a space or control character"
+    return None
+
+
+def _new_output(ctx: typer.Context, param: typer.CallbackParam, value: Optional[Path]) -> Optional[Path]:
+    """--save-bundle: refused before any capture (UnwritableOutput, one line) when it names something
+    that exists (the writer makes a new file or folder), or a place no folder can be made."""
+    if value is not None:
+        problem = _output_problem(value, new=True)
+        if problem is not None:
+            raise UnwritableOutput(f"{max(param.opts, key=len)} {value}: {problem}; refused")
+    return value
+
+
+def _output_dir(ctx: typer.Context, param: typer.CallbackParam, value: Optional[Path]) -> Optional[Path]:
+    """A folder bundles are saved into: an existing folder, or one that can be made."""
+    if value is not None:
+        problem = _output_problem(value, new=False)
+        if problem is not None:
+            raise UnwritableOutput(f"{max(param.opts, key=len)} {value}: {problem}; refused")
+    return value
+
+
+def _output_problem(path: Path, *, new: bool) -> str | None:
+    """Why a bundle (new: a file or folder to create) or a folder of them cannot be written at path."""
+    import errno
+    import stat
+
+    try:
+        st = os.lstat(path) if new else os.stat(path)  # a link to top's folder is its folder
+    except OSError as exc:
+        if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+            return exc.strerror or str(exc)
+    else:
+        if stat.S_ISLNK(st.st_mode):
+            return "a symbolic link"
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            return "not a regular file or folder"
+        if not stat.S_ISDIR(st.st_mode):
+            return "exists" if new else "not a folder"
+        if new and path.name.endswith((".tar.gz", ".tgz")):
+            return "a folder"
+        if not new:
+            return None  # top's folder: its writability is for the s key to find, not top's start
+    parent = path.absolute().parent
+    while True:  # the nearest that exists: the folders below it are made
+        try:
+            st = os.stat(parent)
+            break
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR) or parent == parent.parent:
+                return f"{parent}: {exc.strerror or exc}"
+            parent = parent.parent
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{parent} is not a folder"
+    if new and not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable"
+    return None
+
+
 @app.command()
 def diagnose(
-    pid: Annotated[Optional[int], typer.Option("--pid", help="Any pid of the vLLM deployment (API server, EngineCore, Worker).")] = None,
-    url: Annotated[Optional[str], typer.Option("--url", help="The server's base URL, e.g. http://127.0.0.1:8000 (metrics only without --pid).")] = None,
+    pid: Annotated[Optional[int], typer.Option("--pid", callback=_pid, help="Any pid of the vLLM deployment (API server, EngineCore, Worker).")] = None,
+    url: Annotated[Optional[str], typer.Option("--url", callback=_url, help="The server's base URL, e.g. http://127.0.0.1:8000 (metrics only without --pid).")] = None,
     # readable=False on input paths: click would refuse an unreadable one with the usage code (2); the
     # readers refuse it, and FIFOs and devices, with one line and exit 21 (README, exit codes)
     log: Annotated[Optional[Path], typer.Option("--log", help="A vLLM server log file.", readable=False)] = None,
     bundle: Annotated[Optional[Path], typer.Option("--bundle", help="Re-classify a saved evidence bundle (directory or .tar.gz).", readable=False)] = None,
-    window: Annotated[float, typer.Option("--window", help="Seconds to sample a live server (stops early once certain; runs on to twice this while the server answers too few scrapes to measure a rate).")] = 6.0,
-    interval: Annotated[float, typer.Option("--interval", help="Seconds between live samples.")] = 1.0,
-    save_bundle: Annotated[Optional[Path], typer.Option("--save-bundle", help="Write the evidence to this directory or .tar.gz.")] = None,
+    window: Annotated[float, typer.Option("--window", callback=_seconds, help="Seconds to sample a live server (stops early once certain; runs on to twice this while the server answers too few scrapes to measure a rate).")] = 6.0,
+    interval: Annotated[float, typer.Option("--interval", callback=_seconds, help="Seconds between live samples.")] = 1.0,
+    save_bundle: Annotated[Optional[Path], typer.Option("--save-bundle", callback=_new_output, help="Write the evidence to this directory or .tar.gz.")] = None,
     native: Annotated[bool, typer.Option("--native", help="Native stacks too (py-spy pauses the target briefly).")] = False,
     no_stacks: Annotated[bool, typer.Option("--no-stacks", help="Do not run py-spy.")] = False,
     ebpf: Annotated[ProbeMode, typer.Option("--ebpf", help="Trace futex waits/wakes and off-CPU time per thread (rawtp, else bcc, else bpftrace, else /proc; see `wedgectl probes`): auto attaches them when metrics, /proc and stacks leave a parked engine open; on, for the whole window.")] = ProbeMode.AUTO,
@@ -152,7 +268,7 @@ def repro(
     patched: Annotated[bool, typer.Option("--patched", help="Run with the engine plugin's fixes on and check that nothing hangs; exit 0 only then.")] = False,
     python: Annotated[Optional[str], typer.Option("--python", help="Use this vLLM environment's python instead of the managed runtime.")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="Folder for the bundle, server log and client results.")] = None,
-    window: Annotated[float, typer.Option("--window", help="Diagnosis window in seconds.")] = 6.0,
+    window: Annotated[float, typer.Option("--window", callback=_seconds, help="Diagnosis window in seconds.")] = 6.0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
 ) -> None:
     """Reproduce a hang class on a real vLLM server and diagnose it; exit 0 only when the verdict matches."""
@@ -186,13 +302,13 @@ def repro(
 
 @app.command()
 def top(
-    pid: Annotated[Optional[int], typer.Option("--pid", help="Any pid of the vLLM deployment to watch.")] = None,
-    url: Annotated[Optional[str], typer.Option("--url", help="The server's base URL (metrics only without --pid).")] = None,
+    pid: Annotated[Optional[int], typer.Option("--pid", callback=_pid, help="Any pid of the vLLM deployment to watch.")] = None,
+    url: Annotated[Optional[str], typer.Option("--url", callback=_url, help="The server's base URL (metrics only without --pid).")] = None,
     bundle: Annotated[Optional[Path], typer.Option("--bundle", help="Replay a saved evidence bundle in the same view.", readable=False)] = None,
-    refresh: Annotated[float, typer.Option("--refresh", help="Seconds between samples.")] = 2.0,
-    stacks_every: Annotated[int, typer.Option("--stacks-every", help="py-spy stacks on every Nth refresh while the verdict is not healthy (d/D take them at once).")] = 5,
-    stacks_quiet: Annotated[float, typer.Option("--stacks-quiet", help="Seconds between py-spy stacks while the verdict is healthy (idle or progressing): a dump costs ~10 ms of CPU a process.")] = 60.0,
-    save_dir: Annotated[Path, typer.Option("--save-dir", help="Folder for bundles saved with the s key.")] = Path("."),
+    refresh: Annotated[float, typer.Option("--refresh", callback=_seconds, help="Seconds between samples.")] = 2.0,
+    stacks_every: Annotated[int, typer.Option("--stacks-every", callback=_count, help="py-spy stacks on every Nth refresh while the verdict is not healthy (d/D take them at once).")] = 5,
+    stacks_quiet: Annotated[float, typer.Option("--stacks-quiet", callback=_seconds, help="Seconds between py-spy stacks while the verdict is healthy (idle or progressing): a dump costs ~10 ms of CPU a process.")] = 60.0,
+    save_dir: Annotated[Path, typer.Option("--save-dir", callback=_output_dir, help="Folder for bundles saved with the s key.")] = Path("."),
     low_priority: Annotated[bool, typer.Option("--low-priority/--same-priority", help="Run at nice +5 and idle I/O priority, below the server.")] = True,
 ) -> None:
     """Watch a vLLM deployment and its verdict live; with no target, pick one of the servers found here.
@@ -203,8 +319,6 @@ def top(
 
     if bundle is not None and (pid is not None or url is not None):
         raise typer.BadParameter("--bundle replays saved evidence; it takes no --pid or --url")
-    if refresh <= 0 or stacks_every < 1 or not stacks_quiet > 0:
-        raise typer.BadParameter("--refresh and --stacks-quiet must be > 0, --stacks-every >= 1")
     if low_priority:
         from wedgectl.sampler import lower_priority
 
@@ -220,8 +334,8 @@ def top(
 
 @app.command()
 def probes(
-    pid: Annotated[Optional[int], typer.Option("--pid", help="Run the probes on this pid and its descendants.")] = None,
-    seconds: Annotated[float, typer.Option("--seconds", help="How long to trace with --pid.")] = 5.0,
+    pid: Annotated[Optional[int], typer.Option("--pid", callback=_pid, help="Run the probes on this pid and its descendants.")] = None,
+    seconds: Annotated[float, typer.Option("--seconds", callback=_within(0, bounds.PROBE_WINDOW_S, above=True), help="How long to trace with --pid.")] = 5.0,
     backend: Annotated[ProbeBackend, typer.Option("--backend", help="Force a back-end (default: the best this host supports).")] = ProbeBackend.AUTO,
     pylocks: Annotated[bool, typer.Option("--pylocks", help="Also time blocking Python lock acquires (uprobe on libpython; every Python process on the host pays for it).")] = False,
     verify: Annotated[bool, typer.Option("--verify", help="Compile and attach a trial program per back-end (slower, surer).")] = False,
@@ -241,8 +355,6 @@ def probes(
     from wedgectl.collect import ebpf, ebpfhost
     from wedgectl.render import dumps, render_backends, render_threads
 
-    if seconds <= 0 or seconds > ebpf.MAX_WINDOW_S:
-        raise typer.BadParameter(f"0 < --seconds <= {ebpf.MAX_WINDOW_S:.0f}")
     names = programs.ALL_PROBES if pylocks else programs.DEFAULT_PROBES
     if pid is None:
         statuses = ebpfhost.detect_backends(names, verify=verify)
@@ -276,10 +388,10 @@ def probes(
 
 @app.command()
 def swap(
-    pid: Annotated[int, typer.Option("--pid", help="Any pid of the running vLLM deployment (API server, EngineCore, Worker).")],
+    pid: Annotated[int, typer.Option("--pid", callback=_pid, help="Any pid of the running vLLM deployment (API server, EngineCore, Worker).")],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and touch nothing.")] = False,
-    health_timeout: Annotated[float, typer.Option("--health-timeout", help="Seconds to wait for the new server's /health.")] = 600.0,
-    stop_grace: Annotated[float, typer.Option("--stop-grace", help="Seconds between SIGTERM and SIGKILL for the old server.")] = 15.0,
+    health_timeout: Annotated[float, typer.Option("--health-timeout", callback=_seconds, help="Seconds to wait for the new server's /health.")] = 600.0,
+    stop_grace: Annotated[float, typer.Option("--stop-grace", callback=_within(0, bounds.DAY_S), help="Seconds between SIGTERM and SIGKILL for the old server.")] = 15.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (secrets redacted).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Swap even though a supervisor (systemd, Kubernetes, a container runtime, supervisord) runs the server.")] = False,
@@ -305,21 +417,30 @@ def swap(
 
 @app.command()
 def watch(
-    pid: Annotated[Optional[list[int]], typer.Option("--pid", help="A pid of a vLLM deployment to watch (repeatable).")] = None,
-    url: Annotated[Optional[list[str]], typer.Option("--url", help="A server's base URL to watch, metrics only (repeatable).")] = None,
-    listen: Annotated[str, typer.Option("--listen", help="HOST:PORT serving /metrics, /livez and /v1/targets.")] = "127.0.0.1:9464",
+    pid: Annotated[Optional[list[int]], typer.Option("--pid", callback=_pid, help="A pid of a vLLM deployment to watch (repeatable).")] = None,
+    url: Annotated[Optional[list[str]], typer.Option("--url", callback=_url, help="A server's base URL to watch, metrics only (repeatable).")] = None,
+    listen: Annotated[str, typer.Option("--listen", help="HOST:PORT serving /metrics and /livez; /v1/targets too on a loopback address or behind --web-config-file.")] = "127.0.0.1:9464",
+    web_config_file: Annotated[Optional[Path], typer.Option("--web-config-file", help="TLS and basic auth for every path, in the Prometheus exporter-toolkit's format (node_exporter's --web.config.file).")] = None,
     bundle_dir: Annotated[Optional[Path], typer.Option("--bundle-dir", help="Save an evidence bundle here at each episode's onset.")] = None,
-    bundle_keep: Annotated[int, typer.Option("--bundle-keep", help="Onset bundles kept in --bundle-dir (oldest deleted first).")] = 50,
-    bundle_max_mb: Annotated[float, typer.Option("--bundle-max-mb", help="MiB all onset bundles may take together.")] = 512.0,
-    grace: Annotated[float, typer.Option("--grace", help="Seconds in a hang class before /livez answers 503.")] = 120.0,
-    interval: Annotated[float, typer.Option("--interval", help="Seconds between looks at each server.")] = 5.0,
+    bundle_keep: Annotated[int, typer.Option("--bundle-keep", callback=_count, help="Onset bundles kept in --bundle-dir (oldest deleted first).")] = 50,
+    bundle_max_mb: Annotated[float, typer.Option("--bundle-max-mb", callback=_within(0, bounds.MAX_MIB, above=True), help="MiB all onset bundles may take together.")] = 512.0,
+    grace: Annotated[float, typer.Option("--grace", callback=_within(0, bounds.DAY_S), help="Seconds in a hang class before /livez answers 503.")] = 120.0,
+    interval: Annotated[float, typer.Option("--interval", callback=_seconds, help="Seconds between looks at each server.")] = 5.0,
     ebpf: Annotated[ProbeMode, typer.Option("--ebpf", help="Probes in the capture taken at an episode's onset.")] = ProbeMode.AUTO,
     as_json: Annotated[bool, typer.Option("--json", help="Episodes as JSON lines.")] = False,
-    max_seconds: Annotated[Optional[float], typer.Option("--max-seconds", help="Stop after this long (tests, benchmarks).")] = None,
+    max_seconds: Annotated[Optional[float], typer.Option("--max-seconds", callback=_within(0, bounds.YEAR_S, above=True), help="Stop after this long (tests, benchmarks).")] = None,
+    users: Annotated[Optional[str], typer.Option("--users", help="Host mode: adopt only servers run by these users "
+                                                 "(names or uids, comma-separated; default: root and the user watch runs as).")] = None,
+    max_targets: Annotated[int, typer.Option("--max-targets", callback=_count, help="Host mode: adopt at most this many servers.")] = 64,
+    target_budget_mb: Annotated[float, typer.Option("--target-budget-mb", callback=_within(0.0625, bounds.MAX_MIB), help="MiB each server's kept samples may take.")] = 8.0,
+    total_budget_mb: Annotated[float, typer.Option("--total-budget-mb", callback=_within(0.0625, bounds.MAX_MIB), help="MiB all servers' kept samples may take.")] = 256.0,
 ) -> None:
     """Classify every vLLM server continuously; serve the verdicts to Prometheus and liveness probes.
 
-    With no --pid or --url: every vLLM deployment on this host (or in this pod), rediscovered as servers come and go.
+    With no --pid or --url: every vLLM deployment on this host (or in this pod), rediscovered as servers come and go;
+    only those run by --users (default: root and the user watch runs as), at most --max-targets of them; each
+    one skipped is said once on stderr. Each server's kept samples take at most --target-budget-mb (8), all
+    together --total-budget-mb (256): older pages are trimmed past it (wedgectl_budget_exceeded_total).
 
     One line per episode on stdout (--json: JSON lines). SIGTERM or Ctrl-C stops it.
     """
@@ -328,12 +449,31 @@ def watch(
 
     from wedgectl.watch import Rotation, Spec, WatchOptions, run_watch
 
-    if interval <= 0 or grace < 0 or bundle_keep < 1 or bundle_max_mb <= 0:
-        raise typer.BadParameter("--interval must be > 0, --grace >= 0, --bundle-keep >= 1, --bundle-max-mb > 0")
+    import math
+
+    from wedgectl.watch.targets import parse_users
+
+    budgets = (target_budget_mb, total_budget_mb)
+    if max_targets < 1 or not all(math.isfinite(b) and 0.0625 <= b <= 1 << 20 for b in budgets):
+        raise typer.BadParameter("--max-targets must be >= 1, --target-budget-mb and --total-budget-mb 0.0625..1048576")
+    try:
+        uids = parse_users(users) if users is not None else None
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    from wedgectl.watch.exposition import WebConfigError, load_web_config
+
+    try:
+        web = load_web_config(web_config_file) if web_config_file is not None else None
+    except WebConfigError as exc:
+        typer.echo(f"wedgectl: --web-config-file: {exc}", err=True)
+        raise typer.Exit(exitcodes.USAGE) from None
     specs = tuple(Spec(pid=p) for p in pid or ()) + tuple(Spec(url=u) for u in url or ())
-    options = WatchOptions(specs=specs, listen=listen, bundle_dir=bundle_dir, grace_s=grace, interval_s=interval,
+    options = WatchOptions(specs=specs, listen=listen, web_config=web, bundle_dir=bundle_dir, grace_s=grace,
+                           interval_s=interval,
                            rotation=Rotation(bundle_keep, int(bundle_max_mb * (1 << 20))), ebpf=ebpf.value,
-                           as_json=as_json)
+                           as_json=as_json, users=uids, max_targets=max_targets,
+                           target_budget_bytes=int(target_budget_mb * (1 << 20)),
+                           total_budget_bytes=int(total_budget_mb * (1 << 20)))
     try:
         os.nice(10)  # a watcher yields the CPU to the servers it watches
     except OSError:
@@ -349,7 +489,7 @@ def watch(
     raise typer.Exit(rc)
 
 def _progress(msg: str) -> None:
-    print(redact_text(f"wedgectl: {msg}"), file=sys.stderr, flush=True)
+    print(printable(redact_text(f"wedgectl: {msg}")), file=sys.stderr, flush=True)
 
 
 @runtime_app.command("install")
@@ -395,6 +535,13 @@ def _one_line(message: str) -> str:
     return f"{lines[0]} ... {lines[-1]}"[:400]
 
 
+def _usage_line(exc: Exception) -> str:
+    """A usage error in one line, as every other bad input is: the problem, then where help is."""
+    ctx = getattr(exc, "ctx", None)
+    hint = f" (see '{ctx.command_path} -h')" if ctx is not None else ""
+    return _one_line(exc.format_message())[:400] + hint
+
+
 _interrupted: list[bool] = []
 
 
@@ -428,7 +575,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     except Exception as exc:  # click's usage errors (typer vendors click) and anything unexpected
         if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):
-            exc.show()
+            if exc.exit_code == exitcodes.USAGE and type(exc).__name__ != "NoArgsIsHelpError":
+                print(redact_text(f"wedgectl: {_usage_line(exc)}"), file=sys.stderr)  # the value may be a URL's token
+            else:
+                exc.show()
             sys.exit(exc.exit_code)
         if os.environ.get("WEDGECTL_DEBUG"):
             raise

@@ -21,9 +21,10 @@ class Deployment:
     roles: dict[int, Role]
     base_url: str | None
     metrics_url: str | None
-    log_path: str | None = None
+    log_path: str | None = None  # the server log as shown (log.path); read only through log
     # pid -> its start time (clock ticks after boot) when discovered: what a signal checks
     start_ticks: Mapping[int, int] = field(default_factory=dict)
+    log: processes.HeldLog | None = None  # the server log as the process holds it (processes.open_held_log)
 
     @property
     def pids(self) -> tuple[int, ...]:
@@ -74,8 +75,9 @@ def discover(pid: int | None = None, url: str | None = None) -> Deployment:
     if not tree:
         raise NoSuchProcess(f"pid {pid}: exited before it could be read")
     roles = {p.pid: processes.role_of(p) for p in tree}
-    if roles[tree[0].pid] is not Role.API_SERVER:
-        # Above the API servers (a supervisor with a vLLM-looking title): which deployment is meant?
+    if roles[tree[0].pid] is not Role.API_SERVER or processes.is_vllm_cli(tree[0]) is None:
+        # Above the API servers (a supervisor with a vLLM-looking title, or one named like a server,
+        # `x_serve.py serve`: only vLLM's own CLI launches them): which deployment is meant?
         servers = processes.api_servers_below(tree[0].pid)
         if servers:
             raise NotVllm(f"pid {pid} is not part of one vLLM deployment: it runs {len(servers)} API "
@@ -88,4 +90,5 @@ def discover(pid: int | None = None, url: str | None = None) -> Deployment:
     base = normalise_url(url) if url else base_url_from_listening(listening)
     # An orphaned engine (its API server killed) still writes to the server log it inherited.
     log = processes.log_path_of(api if api is not None else tree[0].pid)
-    return Deployment(tree[0].pid, api, roles, base, metrics_url_for(base) if base else None, log, ticks)
+    return Deployment(tree[0].pid, api, roles, base, metrics_url_for(base) if base else None,
+                      log.path if log else None, ticks, log)

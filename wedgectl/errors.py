@@ -32,6 +32,10 @@ class BadBundle(WedgectlError):
     exit_code = exitcodes.BAD_BUNDLE
 
 
+class UnwritableOutput(WedgectlError):
+    exit_code = exitcodes.UNWRITABLE_OUTPUT
+
+
 class NoSuchProcess(WedgectlError):
     exit_code = exitcodes.NO_SUCH_PROCESS
 

@@ -28,6 +28,7 @@ NO_SUCH_FILE = 20
 UNREADABLE_INPUT = 21  # empty, binary, not a regular file (FIFO, device), permission denied
 NO_VLLM_LINES = 22
 BAD_BUNDLE = 23  # truncated, foreign, newer format, a field of the wrong type, past the size bounds
+UNWRITABLE_OUTPUT = 24  # a bundle's destination exists, is a link, or is a directory another user could write
 NO_SUCH_PROCESS = 30
 NOT_VLLM = 31
 UNREACHABLE = 32  # URL refused or never answered

@@ -73,6 +73,8 @@ class Command:
     cwd: str | None = None
     tmp_dir: Path | None = None  # a folder of the server's own (its TMPDIR), removed when it stops
     run_as: Credentials | None = None  # swap: start it as the target's user, the log opened as that user
+    # The file to execute (absolute), where argv[0] must not be looked up again on the env's PATH (swap).
+    executable: str | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,6 +147,7 @@ def launch(command: Command, owned: bool = True) -> Server:
         with open(os.devnull if as_user else command.log_path, "ab") as log:
             popen = subprocess.Popen(
                 list(command.argv),
+                executable=command.executable,
                 cwd=command.cwd,
                 env=dict(command.env),
                 stdin=subprocess.DEVNULL,
@@ -446,13 +449,15 @@ def stop_tree(
     process are reaped. The seconds returned run until every process had
     exited; after that it waits (bounded) for the orphans to be reaped, so
     their pids are gone when it returns, and removes the /dev/shm files the
-    tree mapped that no live process holds any more (a SIGKILLed vLLM leaves
-    its shared memory behind).
+    tree mapped that are its own (its uid's, made since it started) and no live
+    process holds any more (a SIGKILLed vLLM leaves its shared memory behind);
+    another user's file it mapped is kept, and so is an older one (shm.remove_unheld).
     """
     start = time.monotonic()
     tree = _Tree(pid, popen, started_at, planned or {})
     tree.collect(extra)
     left_shm = procread.shm_files_of(tree.live_pids())  # before any signal: the tree maps them now
+    owners, since = tree.identity()  # whose files, made since when, the tree's own can be
     # Only while the group has members is its id surely still this tree's.
     group_is_ours = popen is not None and (not tree.root_exited() or bool(tree.others))
     try:
@@ -466,7 +471,7 @@ def stop_tree(
             tree.wait_exited(time.monotonic() + KILL_WAIT_S)
     seconds = time.monotonic() - start
     tree.wait_reaped(time.monotonic() + REAP_WAIT_S)
-    removed, kept = shm.remove_unheld(left_shm)
+    removed, kept = shm.remove_unheld(left_shm, owners, since)
     return Stopped(seconds, killed, tuple(tree.refused), removed, kept)
 
 
@@ -499,6 +504,20 @@ class _Tree:
             return False
         self.ticks[pid] = want
         return now is not None
+
+    def identity(self) -> tuple[frozenset[int], float | None]:
+        """(the effective uids of the tree's live processes, when the tree started: the earliest of
+        their start times and the launch); read before any signal. What is unreadable counts for
+        nothing: no uid, no start, no file removed for it."""
+        procs = ([self.root] if self.root is not None and not self.root_exited() else []) + [
+            p for p in self.others.values() if not _has_exited(p)]
+        uids: set[int] = set()
+        starts = [self.started_at] if self.started_at is not None else []
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                uids.add(proc.uids().effective)
+                starts.append(proc.create_time())
+        return frozenset(uids), (min(starts) if starts and uids else None)
 
     def live_pids(self) -> list[int]:
         root = [self.pid] if self.root is not None and not self.root_exited() else []

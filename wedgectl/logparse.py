@@ -239,8 +239,8 @@ def _seconds(year: int, mo: int, d: int, hh: int, mm: int, ss: int) -> float | N
     try:
         when = _dt.datetime(year, mo, d, hh, mm, ss)
     except ValueError:
-        if not (mo == 2 and d == 29 and 0 <= hh < 24 and 0 <= mm < 60 and 0 <= ss < 62):
-            return None
+        if not (mo == 2 and d == 29 and 1 <= year <= 9999 and 0 <= hh < 24 and 0 <= mm < 60 and 0 <= ss < 62):
+            return None  # year 0 or 10000 (a rollover past 9999) has no 03-01 either
         # A year-less 02-29 read in a non-leap year: take it as the day after 02-28.
         when = _dt.datetime(year, 3, 1, hh, mm, min(ss, 59))
     return (when - EPOCH).total_seconds()

@@ -21,7 +21,7 @@ from pathlib import Path
 from wedgectl import exitcodes
 from wedgectl.collect.target import Credentials
 from wedgectl.errors import WedgectlError
-from wedgectl.lifecycle import TimeoutExpired, run_bounded
+from wedgectl.lifecycle import DEVNULL, CompletedProcess, TimeoutExpired, run_bounded
 
 DISTRIBUTION = "wedgectl-engine"
 SOURCE_PACKAGE = "wedgectl._engine"
@@ -40,6 +40,18 @@ SHUTDOWN_S = 10.0
 
 PIP_TIMEOUT_S = 300
 PROBE_TIMEOUT_S = 60
+# How the server's interpreter is run: by its absolute path, from "/", never from wedgectl's own
+# folder: with -c or -m it would first import what anyone planted there (csv.py, sitecustomize.py,
+# a pip/ package), as whoever it runs as. pip, and the question where it installs, run isolated
+# (-I: no working folder on sys.path, no PYTHON* variables, no user site-packages), so pip installs
+# into the interpreter's own prefix, the site-packages swapsafety.path_risk checked, never into a
+# user site or a PYTHONPATH folder nothing checked. The question which plugin the server has is
+# asked with the server's own environment (its PYTHONPATH and user site count: the server imports
+# from them) and PYTHONSAFEPATH=1 (-P from Python 3.11, where `-P` itself would fail on 3.10; there
+# the folder first on sys.path is "/", which only root can write).
+ISOLATED = "-I"
+SAFE_PATH_ENV = {"PYTHONSAFEPATH": "1"}
+NEUTRAL_CWD = "/"
 # Copied from the source into the build folder; what pip leaves behind is not.
 _SOURCE_SUFFIXES = (".py", ".toml", ".md")
 _SKIP_NAMES = ("build", "__pycache__")
@@ -101,23 +113,40 @@ def engine_source_hash(source: Traversable | None = None) -> str:
 # ------------------------------------------------------------------ the install
 
 
+def interpreter(python: str | os.PathLike[str]) -> str:
+    """`python` as the absolute path every run uses: resolved once here, never looked up again on a
+    PATH or against another working folder (a relative one is the caller's, as given)."""
+    return os.path.abspath(os.fspath(python))
+
+
+def run_python(python: str | os.PathLike[str], args: list[str], *, timeout: float,
+               env: dict[str, str] | None = None, run_as: Credentials | None = None,
+               isolated: bool = True) -> CompletedProcess[str]:
+    """Run the server's interpreter by its absolute path, from NEUTRAL_CWD, as `run_as` when given:
+    isolated (-I), or with `env` (os.environ when None) and SAFE_PATH_ENV. OSError or TimeoutExpired
+    as run_bounded."""
+    if not isolated:
+        env = {**(os.environ if env is None else env), **SAFE_PATH_ENV}
+    return run_bounded([interpreter(python), *([ISOLATED] if isolated else []), *args], timeout=timeout,
+                       env=env, stdin=DEVNULL, cwd=NEUTRAL_CWD, **_as(run_as))
+
+
 def installed_version(python: str | os.PathLike[str], env: dict[str, str] | None = None,
                       run_as: Credentials | None = None) -> str:
-    """The plugin version `python`'s environment has; "" when none. OSError or TimeoutExpired when
-    the interpreter cannot be asked. `run_as`: the server's user, so its code never runs as root."""
-    r = run_bounded(
-        [str(python), "-c", f"import importlib.metadata as m; print(m.version({DISTRIBUTION!r}))"],
-        timeout=PROBE_TIMEOUT_S, env=env, **_as(run_as),
-    )
+    """The plugin version `python`'s environment has, as the server with `env` would import it; "" when
+    none. OSError or TimeoutExpired when the interpreter cannot be asked. `run_as`: the server's user,
+    so its code never runs as root."""
+    r = run_python(python, ["-c", f"import importlib.metadata as m; print(m.version({DISTRIBUTION!r}))"],
+                   timeout=PROBE_TIMEOUT_S, env=env, run_as=run_as, isolated=False)
     return r.stdout.strip() if r.returncode == 0 else ""
 
 
 def install_dir(python: str | os.PathLike[str], env: dict[str, str] | None = None,
                 run_as: Credentials | None = None) -> str:
-    """Where pip would install into `python`'s environment (its purelib); "" when it cannot be asked."""
+    """Where pip (isolated) installs into `python`'s environment (its purelib); "" when it cannot be asked."""
     try:
-        r = run_bounded([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                        timeout=PROBE_TIMEOUT_S, env=env, **_as(run_as))
+        r = run_python(python, ["-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                       timeout=PROBE_TIMEOUT_S, env=env, run_as=run_as)
     except (OSError, TimeoutExpired):
         return ""
     return r.stdout.strip() if r.returncode == 0 else ""
@@ -157,8 +186,10 @@ def ensure_engine_plugin(python: Path, progress: Callable[[str], None], env: dic
     """Install the carried plugin into the server's environment unless that exact source is there.
 
     With `run_as` (the server's user) the interpreter and pip run as that user, never as root,
-    with `env` (the server's environment, less what makes the plugin act).
+    with `env` (the server's environment, less what makes the plugin act). Both run from "/", by the
+    interpreter's absolute path, pip isolated (run_python).
     """
+    python = Path(interpreter(python))
     source = engine_source()
     want = engine_version(source)
     digest = engine_source_hash(source)
@@ -182,11 +213,8 @@ def ensure_engine_plugin(python: Path, progress: Callable[[str], None], env: dic
         if run_as is not None and run_as.popen_kwargs:
             _hand_over(Path(tmp), run_as)  # pip, as the server's user, writes build/ beside the copy
         try:
-            r = run_bounded(
-                [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-cache-dir", "--force-reinstall",
-                 str(build)],
-                timeout=PIP_TIMEOUT_S, env=env, **_as(run_as),
-            )
+            r = run_python(python, ["-m", "pip", "install", "-q", "--no-deps", "--no-cache-dir", "--force-reinstall",
+                                    str(build)], timeout=PIP_TIMEOUT_S, env=env, run_as=run_as)
         except TimeoutExpired:
             raise PluginInstallError(f"pip did not install the engine plugin within {PIP_TIMEOUT_S} s") from None
     if r.returncode != 0:

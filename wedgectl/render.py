@@ -3,18 +3,22 @@
 Everything a renderer prints passes through wedgectl.redact before it is
 wrapped (a wrap could split a secret from the flag that names it), whatever
 the evidence came from: a live capture (already redacted) or a bundle from
-an older writer (maybe not).
+an older writer (maybe not). Every text line is then made printable
+(wedgectl.redact.printable): a name, label, path, argv word or frame that a
+target or a bundle chose cannot end the line early, forge the next one or
+drive the terminal. JSON needs no such step: json.dumps escapes them.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import textwrap
-from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ParamSpec
 
 from wedgectl.bundle import to_jsonable
-from wedgectl.redact import redact_argv, redact_obj, redact_text, redact_url
+from wedgectl.redact import printable, redact_argv, redact_obj, redact_text, redact_url
 from wedgectl.types import BackendStatus, ProbeRecord, ProbeResult, ThreadProbe, Verdict
 
 if TYPE_CHECKING:  # named in annotations only: importing them would pull in what the command does not use
@@ -24,6 +28,15 @@ if TYPE_CHECKING:  # named in annotations only: importing them would pull in wha
     from wedgectl.swap import SwapPlan, SwapResult
 
 WIDTH = 80
+P = ParamSpec("P")
+
+
+def _text(render: Callable[P, Iterable[str]]) -> Callable[P, Iterator[str]]:
+    """A renderer of text lines whose every line comes out printable (one line, no terminal controls)."""
+    @functools.wraps(render)
+    def lines(*args: P.args, **kwargs: P.kwargs) -> Iterator[str]:
+        return (printable(line) for line in render(*args, **kwargs))
+    return lines
 
 
 def verdict_to_json(verdict: Verdict, **extra: Any) -> dict[str, Any]:
@@ -47,6 +60,7 @@ def _fmt_value(v: Any) -> str:
     return str(v)
 
 
+@_text
 def render_verdict(verdict: Verdict, width: int = WIDTH, expected: str | None = None) -> Iterator[str]:
     """Yield the text report, verdict first."""
     head = f"VERDICT  {verdict.verdict.value}  (confidence {verdict.confidence:.2f})"
@@ -81,6 +95,7 @@ def render_verdict(verdict: Verdict, width: int = WIDTH, expected: str | None = 
 # --- probes (`wedgectl probes`, the probe tools) ------------------------------------------
 
 
+@_text
 def render_backends(statuses: Sequence[BackendStatus], chosen: str | None, programs: Sequence[tuple[str, str, str]],
                     kernel: str, notes: Sequence[str] = ()) -> Iterator[str]:
     """What this host supports, and why not, in 80 columns; programs are (name, summary, overhead)."""
@@ -102,6 +117,7 @@ def _dash(x: float | int | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+@_text
 def render_threads(records: Sequence[ProbeRecord], most: int = 40) -> Iterator[str]:
     """The probe header, then the threads that waited or ran, longest wait first."""
     header = next((r for r in records if isinstance(r, ProbeResult)), None)
@@ -131,6 +147,11 @@ def render_report(verdict: Verdict, as_json: bool, expected: str | None = None, 
             payload["expected"] = expected
         yield dumps(payload)
         return
+    yield from _report_text(verdict, expected, extra)
+
+
+@_text
+def _report_text(verdict: Verdict, expected: str | None, extra: dict[str, Any]) -> Iterator[str]:
     yield from render_verdict(verdict, expected=expected)
     for f in extra.get("collector_failures") or ():
         yield from textwrap.wrap(redact_text(f"could not read: {f['collector']} {f['kind']}: {f['message']}")[:300],
@@ -141,6 +162,7 @@ def render_report(verdict: Verdict, as_json: bool, expected: str | None = None, 
             yield redact_text(f"{key}: {value}")
 
 
+@_text
 def render_ranks(ranks: Sequence[dict[str, Any]]) -> Iterator[str]:
     """The Workers of a parallel deployment, one line each: rank, pid, device, CPU, where its stack is."""
     if len(ranks) < 2:
@@ -149,7 +171,8 @@ def render_ranks(ranks: Sequence[dict[str, Any]]) -> Iterator[str]:
     yield "Ranks"
     for r in ranks:
         cpu = "-" if r.get("cpu_cores") is None else f"{r['cpu_cores']:.2f}"
-        head = f"  {str(r.get('label'))[:12]:<12} pid {r.get('pid'):<7} {str(r.get('device'))[:8]:<8} {cpu:>5} cores  {r.get('where')}"
+        head = (f"  {str(r.get('label'))[:12]:<12} pid {r.get('pid'):<7} {str(r.get('device'))[:8]:<8} {cpu:>5} cores  "
+                f"{r.get('where')}")
         yield head[:WIDTH]
         frame = redact_text(f"{r.get('kind')}: {r.get('frame') or '?'}" + (" (stayed put)" if r.get("stuck") else ""))
         yield "      " + (frame if len(frame) <= WIDTH - 6 else frame[: WIDTH - 9] + "...")
@@ -169,6 +192,7 @@ def failure_summary(bundle: Bundle, most: int = 6) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------ repro, repro --patched
 
 
+@_text
 def render_repro_list(configs: Iterable[ReproConfig]) -> Iterator[str]:
     """`repro --list`: each bundled repro, the verdict it expects and what it does."""
     for cfg in configs:
@@ -184,6 +208,12 @@ def render_repro(result: ReproResult, as_json: bool, keep: bool = False) -> Iter
                                     bundle=str(result.bundle_path), log=str(result.log_path),
                                     symptom_s=result.symptom_s, client=result.client_results, notes=result.notes))
         return
+    yield from _repro_text(result, keep)
+
+
+@_text
+def _repro_text(result: ReproResult, keep: bool) -> Iterator[str]:
+    cfg = result.config
     yield f"repro {cfg.name}: {cfg.description}"
     if result.verdict is not None:
         yield from render_verdict(result.verdict, expected=cfg.expected)
@@ -200,6 +230,11 @@ def render_patched(result: PatchedResult, as_json: bool = False) -> Iterator[str
     if as_json:
         yield dumps(result.to_json())
         return
+    yield from _patched_text(result)
+
+
+@_text
+def _patched_text(result: PatchedResult) -> Iterator[str]:
     yield f"repro {result.config.name} --patched: {'no hang' if result.passed else 'HANG OR UNCLEAR FAILURE'}"
     for c in result.checks:
         yield f"  {'ok  ' if c.passed else 'FAIL'} {c.name}: {c.detail}"[:400]
@@ -210,6 +245,7 @@ def render_patched(result: PatchedResult, as_json: bool = False) -> Iterator[str
 # ------------------------------------------------------------------ swap
 
 
+@_text
 def render_swap_plan(plan: SwapPlan) -> Iterator[str]:
     """What a swap will do, secrets redacted."""
     fixes = {k: v for k, v in plan.new_env.items() if k.startswith("WEDGE_ENGINE_")}
@@ -235,6 +271,11 @@ def render_swap(result: SwapResult, as_json: bool = False) -> Iterator[str]:
     if as_json:
         yield dumps(redact_obj(result.to_json()))
         return
+    yield from _swap_text(result)
+
+
+@_text
+def _swap_text(result: SwapResult) -> Iterator[str]:
     if result.dry_run:
         yield from render_swap_plan(result.plan)
         yield "dry run: nothing was touched"

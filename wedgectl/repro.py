@@ -441,7 +441,7 @@ def run_repro(
     try:
         if keep or cfg.separate_clients:
             # The clients must outlive wedgectl, or vLLM aborts their requests and the hang is gone.
-            holder = start_detached([sys.executable, "-m", "wedgectl._hold", server.url, str(server.pid),
+            holder = start_detached([sys.executable, "-P", "-m", "wedgectl._hold", server.url, str(server.pid),
                                      str(cfg.path), str(out_dir / "client.json")])
         else:
             workload.start_now()
@@ -483,7 +483,7 @@ def run_repro(
         bundle = capture(pid=target, log_path=str(log_path), options=SamplerOptions(window_s=window_s, progress=progress))
         verdict = classify(bundle)
         bundle = replace(bundle, verdict=verdict)
-        bundle_path = write_bundle(bundle, out_dir / "bundle.tar.gz")
+        bundle_path = write_bundle(bundle, out_dir / "bundle.tar.gz", replace_own=True)  # a rerun's is ours
         if holder is None:
             (out_dir / "client.json").write_text(json.dumps(workload.results, indent=2))
     finally:

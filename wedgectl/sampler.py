@@ -14,25 +14,27 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 
 from wedgectl import __version__
 from wedgectl.classify import Facts, classify, classify_facts
 from wedgectl.classify.facts import MIN_FROZEN_S, stepless_of
 from wedgectl.collect import processes, procfs, pyspy
-from wedgectl.collect.scrape import Scraper
+from wedgectl.collect.scrape import Scraper, failure_kind
 from wedgectl.discover import Deployment, discover, tree_roles
 from wedgectl.errors import BadMetrics, NoSuchProcess, Unreachable, WedgectlError
 from wedgectl.judged import judged_sample
 from wedgectl.metrics import MetricsParseError, parse_metrics
 from wedgectl.redact import redact_url
-from wedgectl.sources import host_facts, read_log_lines, steal_facts
+from wedgectl.sources import LogSource, host_facts, read_log_lines, steal_facts
 from wedgectl.types import (
     Bundle,
     CollectorFailure,
     FailureKind,
     Manifest,
+    MetricsScrape,
     ProcessSample,
     Role,
     Sample,
@@ -47,6 +49,7 @@ EXITED_NOTE = "the deployment exited mid-capture"
 LOG_TAIL_BYTES = 4 << 20
 DECIDE_LOG_BYTES = 256 << 10  # the tail the in-window verdicts read (read once); the bundle gets LOG_TAIL_BYTES
 BURST_GAP_S = 0.03
+DUMP_TIMEOUT_S = 5.0  # pyspy.dump_stacks' own timeout for one non-native dump
 ESCALATE_BURST = 3  # dumps of the EngineCore and each Worker once the cheap evidence leaves a hang open
 # Verdicts whose certainty can rest on how long a main thread sat parked: what the probes measure.
 PARKED_CLASSES = frozenset({VerdictKind.ENGINE_DEADLOCK, VerdictKind.COLLECTIVE_HANG})
@@ -295,10 +298,53 @@ def _collect_stacks(procs: tuple[ProcessSample, ...], native: bool, burst: int =
     def run(p: ProcessSample) -> list[StackDump]:
         n = burst if p.role in (Role.ENGINE_CORE, Role.WORKER) else 1
         return _dump_burst(p.pid, native, n)
-    with ThreadPoolExecutor(max_workers=min(4, len(targets))) as pool:
-        dumps = tuple(d for ds in pool.map(run, targets) for d in ds)
+    got = _map_daemon(run, targets, workers=4, bound_s=stacks_bound_s(burst, native, len(targets)))
+    late = f"{FailureKind.TIMEOUT.value}: no dump within the bound"
+    dumps = tuple(d for i, p in enumerate(targets)
+                  for d in got.get(i) or [StackDump(p.pid, time.time(), native, error=late)])
     failures = list({(f.collector, f.target, f.message): f for d in dumps if (f := pyspy.stack_failure(d)) is not None}.values())
     return dumps, failures
+
+
+def stacks_bound_s(burst: int, native: bool, n: int = 1) -> float:
+    """The longest _collect_stacks may take: every py-spy attempt of a burst (_dump_burst) at its
+    own timeout, for n processes on 4 threads, and a margin. Past it the dumps are abandoned."""
+    attempts = 2 * max(burst, 1) + 2
+    one = pyspy.NATIVE_TIMEOUT_S if native else DUMP_TIMEOUT_S
+    return attempts * (one + BURST_GAP_S) * -(-max(n, 1) // 4) + 5.0
+
+
+def _map_daemon(fn: Callable[[ProcessSample], list[StackDump]], items: list[ProcessSample], workers: int,
+                bound_s: float) -> dict[int, list[StackDump]]:
+    """fn over items on at most `workers` daemon threads, for at most bound_s: {index: result} of
+    those done by then. Daemon threads, not an executor: the interpreter joins an executor's
+    workers at exit, and a py-spy stuck past its timeout must not hold wedgectl's exit."""
+    results: dict[int, list[StackDump]] = {}
+    todo = deque(enumerate(items))
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i, item = todo.popleft()
+            try:
+                value = fn(item)
+            except Exception:  # noqa: BLE001 - a collector bug: that process goes without a dump
+                value = []
+            with lock:
+                results[i] = value
+
+    threads = [threading.Thread(target=work, daemon=True, name="wedgectl-stacks")
+               for _ in range(min(workers, len(items)))]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + bound_s
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    with lock:
+        return dict(results)
 
 
 def take_sample(dep: Deployment, with_stacks: bool, options: SamplerOptions, burst: int = 1,
@@ -312,15 +358,30 @@ def take_sample(dep: Deployment, with_stacks: bool, options: SamplerOptions, bur
     return _begin(dep, scraper, options, burst if with_stacks else 0, tree=tree).sample(dep)
 
 
-def _background(jobs: dict[str, Callable[[], object]]) -> Future:
+class _Results(Future):
+    """{name: result} of a sample's background jobs, once all are done; abandon() gives those done so far."""
+
+    def __init__(self, jobs: dict[str, Callable[[], object]]) -> None:
+        super().__init__()
+        self.jobs = tuple(jobs)
+        self.got: dict[str, object] = {}
+        self.lock = threading.Lock()
+        self.abandoned = False
+
+    def abandon(self) -> dict[str, object]:
+        """What has come so far; what comes later is dropped (its thread ends on its own bound)."""
+        with self.lock:
+            self.abandoned = True
+            return dict(self.got)
+
+
+def _background(jobs: dict[str, Callable[[], object]]) -> _Results:
     """Run each job in its own daemon thread; the future gives {name: result} once all are done.
 
     Daemon threads, not an executor: a scrape still in flight when the capture stops is
     abandoned (it ends within the scrape timeout) and must not hold the exit. The jobs are
     collectors, which never raise; a bug in one still resolves the future, with None."""
-    done: Future = Future()
-    got: dict[str, object] = {}
-    lock = threading.Lock()
+    done = _Results(jobs)
 
     def run(key: str, fn: Callable[[], object]) -> None:
         value = None
@@ -329,10 +390,11 @@ def _background(jobs: dict[str, Callable[[], object]]) -> Future:
         except Exception:  # noqa: BLE001 - a collector bug: the sample goes on without that part
             value = None
         finally:
-            with lock:
-                got[key] = value
-                if len(got) == len(jobs):
-                    done.set_result(dict(got))
+            with done.lock:
+                if not done.abandoned:
+                    done.got[key] = value
+                if len(done.got) == len(jobs) and not done.done():
+                    done.set_result(dict(done.got))
 
     if not jobs:
         done.set_result({})
@@ -356,7 +418,7 @@ def _summarise(s: Sample) -> str:
     return ", ".join(parts) or "no data"
 
 
-def _read_log(path: str | None, max_bytes: int = LOG_TAIL_BYTES) -> tuple[tuple[str, ...], list[str]]:
+def _read_log(path: str | LogSource | None, max_bytes: int = LOG_TAIL_BYTES) -> tuple[tuple[str, ...], list[str]]:
     if not path:
         return (), []
     try:
@@ -522,22 +584,39 @@ def next_step(verdict: Verdict, n_samples: int, elapsed_s: float, options: Sampl
 
 @dataclass
 class _Pending:
-    """A sample whose /proc reading is taken and whose scrape and stack dumps may still run."""
+    """A sample whose /proc reading is taken and whose scrape and stack dumps may still run, until
+    `due` (monotonic): past it, what has not come is abandoned and the sample goes on without it."""
 
     t: float
     procs: tuple[ProcessSample, ...]
     failures: list[CollectorFailure]
-    rest: Future  # {"metrics": MetricsScrape, "health": (status, error), "stacks": (dumps, failures)}
+    rest: _Results  # {"metrics": MetricsScrape, "health": (status, error), "stacks": (dumps, failures)}
     burst: int = 0
+    due: float = float("inf")
+
+    def ready(self) -> bool:
+        return self.rest.done() or time.monotonic() >= self.due
 
     def sample(self, dep: Deployment) -> Sample:
-        rest = self.rest.result()
+        try:
+            rest = self.rest.result(timeout=max(0.0, self.due - time.monotonic()))
+        except FutureTimeout:
+            rest = self.rest.abandon()
+        failures = list(self.failures)
         metrics = rest.get("metrics")
+        if metrics is None and "metrics" in self.rest.jobs:
+            metrics = MetricsScrape(t=time.time(), url=redact_url(dep.metrics_url or ""),
+                                    error=f"{FailureKind.TIMEOUT.value}: no answer in time (the scrape was abandoned)")
         health_status, health_error = rest.get("health") or (None, None)
+        if "health" in self.rest.jobs and "health" not in rest:
+            health_error = f"{FailureKind.TIMEOUT.value}: no answer in time (the check was abandoned)"
         stacks, stack_failures = rest.get("stacks") or ((), [])
-        failures = [*self.failures, *stack_failures]
+        if "stacks" in self.rest.jobs and "stacks" not in rest:
+            failures.append(CollectorFailure("stacks", FailureKind.TIMEOUT, "no dump in time (abandoned)", ""))
+        failures += stack_failures
         if metrics is not None and not metrics.ok:
-            failures.append(CollectorFailure("metrics", FailureKind.UNREACHABLE, metrics.error or f"HTTP {metrics.status}", dep.metrics_url or ""))
+            failures.append(CollectorFailure("metrics", failure_kind(metrics.error),
+                                             metrics.error or f"HTTP {metrics.status}", dep.metrics_url or ""))
         return Sample(t=self.t, metrics=metrics, health_status=health_status, health_error=health_error,
                       processes=self.procs, stacks=stacks, failures=tuple(failures))
 
@@ -572,13 +651,19 @@ def _begin(dep: Deployment, scraper: Scraper, options: SamplerOptions, burst: in
         procs, failures = _collect_processes(dep, tree)
         if early is not None:  # a burst begun as soon as it was asked for: this sample carries it
             future, burst = early
-            jobs["stacks"] = lambda: future.result()["stacks"]
+            wait_s = stacks_bound_s(burst, options.native, len(procs))
+            jobs["stacks"] = lambda: future.result(wait_s)["stacks"]  # a TimeoutError: the sample goes without
         elif burst and procs and not (first and engine_stepping(procs)):
             jobs["stacks"] = lambda: _collect_stacks(procs, options.native, burst, others)
-    return _Pending(t, procs, list(failures), _background(jobs), burst if "stacks" in jobs else 0)
+    bound = options.scrape_timeout_s + REST_GRACE_S
+    if "stacks" in jobs:
+        bound = max(bound, stacks_bound_s(burst or ESCALATE_BURST, options.native, len(procs)))
+    return _Pending(t, procs, list(failures), _background(jobs), burst if "stacks" in jobs else 0,
+                    time.monotonic() + bound)
 
 
 MAX_IN_FLIGHT = 2  # scrapes of a slow server overlapping on the sampling clock
+REST_GRACE_S = 5.0  # a sample's scrape is abandoned this long after its own timeout (it ends by then)
 
 
 def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | None,
@@ -587,6 +672,10 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
     if dep.root_pid is not None:
         say(f"deployment: {', '.join(f'{p} {r.value}' for p, r in dep.roles.items())}; "
             f"metrics {dep.metrics_url or 'none (no listening socket)'}")
+    # A log given (--log) is read by its path; one found through the process, through its descriptor
+    # (processes.open_held_log), never by the path it reads as, which in the target's mount namespace
+    # may name another file than in ours.
+    log_source: str | LogSource | None = str(log_path) if log_path else dep.log
     log_path = str(log_path) if log_path else dep.log_path
     notes: list[str] = []
     if log_path:
@@ -603,7 +692,7 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
     # The hypervisor's steal over the capture, for a local target (a host fact: steal_facts).
     steal = (procfs.cpu_steal_s(), time.monotonic()) if dep.root_pid is not None else None
     # The in-window verdicts read one tail of the log, read once; the bundle gets the longer tail.
-    decide_log = _read_log(log_path, DECIDE_LOG_BYTES)[0]
+    decide_log = _read_log(log_source, DECIDE_LOG_BYTES)[0]
     samples: list[Sample] = []
     judged: list[Sample] = []  # lean copies: the classifier re-reads every scrape after each sample
     pending: deque[_Pending] = deque()
@@ -634,10 +723,12 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
         if not pending:
             time.sleep(max(0.0, due - time.monotonic()))
             continue
-        # Wait for the oldest scrape, or until the next sample is due when another may start.
+        # Wait for the oldest scrape, or until the next sample is due when another may start; never
+        # past the oldest's own bound (what it has not got by then, it goes without).
         room = len(pending) < MAX_IN_FLIGHT
-        wait([pending[0].rest], timeout=max(0.0, due - time.monotonic()) if room else None)
-        while pending and pending[0].rest.done():
+        until = min(due, pending[0].due) if room else pending[0].due
+        wait([pending[0].rest], timeout=max(0.0, until - time.monotonic()))
+        while pending and pending[0].ready():
             done = pending.popleft()
             sample = done.sample(dep)
             samples.append(sample)
@@ -685,7 +776,7 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
                 probes.start(options.window_s - elapsed)
     # A stop leaves at most one scrape in flight: it is abandoned (its thread ends within the
     # scrape timeout), not waited for.
-    log_lines, log_notes = _read_log(log_path, LOG_TAIL_BYTES)
+    log_lines, log_notes = _read_log(log_source, LOG_TAIL_BYTES)
     notes += log_notes
     if options.stacks and not burst_taken and samples and samples[-1].processes and verdict is not None:
         # No burst was taken. "progressing", a live "starved" and an engine the host starves of
@@ -712,6 +803,13 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
     return Bundle(replace(manifest, notes=tuple(notes), host=host), tuple(samples), log_lines)
 
 
+def _brief(text: str, limit: int = 200) -> str:
+    """A message that quotes the target (a parse error quotes its page): cut to `limit` characters,
+    each unprintable one escaped, so it stays one short line."""
+    cut = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[:limit])
+    return cut[:limit] + ("..." if len(text) > limit or len(cut) > limit else "")
+
+
 def fatal_problem(bundle: Bundle) -> WedgectlError | None:
     """Whether a capture found nothing to classify at all: the exit code says why."""
     if EXITED_NOTE in bundle.manifest.notes:
@@ -726,10 +824,17 @@ def fatal_problem(bundle: Bundle) -> WedgectlError | None:
         return None
     scrapes = [s.metrics for s in bundle.samples if s.metrics is not None]
     if scrapes and all(not m.ok for m in scrapes):
+        # A server that answered with a page that is not metrics (too big, a charset other than
+        # utf-8/ascii/latin-1, not valid text, not text at all) is reachable: exit 33, not 32.
+        bad = [m for m in scrapes if m.status is not None and failure_kind(m.error) is FailureKind.BAD_DATA]
+        if bad:
+            return BadMetrics(f"{bad[-1].url}: {_brief(bad[-1].error)}")
         m = scrapes[-1]
-        if m.status is not None:
+        if m.status is not None and m.status != 200:
             return Unreachable(f"{m.url}: HTTP {m.status} on every scrape")
-        return Unreachable(f"{m.url}: {m.error or 'no answer'}")
+        if m.status is not None:  # it answered, and its page never came whole in time
+            return Unreachable(f"{m.url}: HTTP {m.status}, then {_brief(m.error or 'no page')}")
+        return Unreachable(f"{m.url}: {_brief(m.error or 'no answer')}")
     parsed = []
     for m in scrapes:
         try:
@@ -737,7 +842,7 @@ def fatal_problem(bundle: Bundle) -> WedgectlError | None:
         except MetricsParseError as exc:
             last_error = exc
     if scrapes and not parsed:
-        return BadMetrics(f"{scrapes[-1].url}: {last_error}")
+        return BadMetrics(f"{scrapes[-1].url}: {_brief(str(last_error))}")
     if parsed and not any(p.is_vllm for p in parsed):
         return BadMetrics(f"{scrapes[-1].url}: Prometheus text but no vllm: series (not a vLLM server?)")
     return None

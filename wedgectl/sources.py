@@ -7,7 +7,7 @@ import socket
 import stat
 import time
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from wedgectl import __version__
 from wedgectl.errors import InputNotFound, NoVllmLines, UnreadableInput
@@ -71,20 +71,40 @@ def open_regular(path: str | Path) -> BinaryIO:
         raise
 
 
-def read_log_lines(path: str | Path, max_bytes: int = MAX_LOG_BYTES) -> tuple[tuple[str, ...], list[str]]:
-    """The log's lines (its last max_bytes), and notes about what was done to read it."""
+class LogSource(Protocol):
+    """A log found through a process (processes.HeldLog): shown as path, opened only by open()."""
+
+    @property
+    def path(self) -> str: ...
+
+    def open(self) -> BinaryIO: ...
+
+
+def read_log_lines(path: str | Path | LogSource, max_bytes: int = MAX_LOG_BYTES) -> tuple[tuple[str, ...], list[str]]:
+    """The log's lines (its last max_bytes), and notes about what was done to read it.
+
+    path is what the operator gave (a path, opened as open_regular does), or a log found through a
+    process (a LogSource), which is read only as its open() allows: the process's own file, never
+    whatever its path names in this mount namespace."""
+    if not isinstance(path, (str, Path)):
+        with path.open() as fh:  # UnreadableInput says why not
+            return _read_tail(fh, Path(path.path), max_bytes)
     p = Path(path)
-    notes: list[str] = []
     if stat.S_ISDIR(stat_input(p).st_mode):
         raise UnreadableInput(f"{p}: is a directory, not a log file (use --bundle for a bundle directory)")
+    with open_regular(p) as fh:
+        return _read_tail(fh, p, max_bytes)
+
+
+def _read_tail(fh: BinaryIO, p: Path, max_bytes: int) -> tuple[tuple[str, ...], list[str]]:
+    notes: list[str] = []
     try:
-        with open_regular(p) as fh:
-            size = os.fstat(fh.fileno()).st_size
-            if size > max_bytes:
-                fh.seek(size - max_bytes)
-                fh.readline(max_bytes)  # drop the partial first line
-                notes.append(f"log is {size} bytes; read its last {max_bytes}")
-            data = fh.read(max_bytes)  # bounded even when the log grows while we read
+        size = os.fstat(fh.fileno()).st_size
+        if size > max_bytes:
+            fh.seek(size - max_bytes)
+            fh.readline(max_bytes)  # drop the partial first line
+            notes.append(f"log is {size} bytes; read its last {max_bytes}")
+        data = fh.read(max_bytes)  # bounded even when the log grows while we read
     except OSError as exc:
         raise _os_error(p, exc) from None
     if not data.strip():

@@ -14,10 +14,14 @@ again and the result says so.
 Nothing of the target's runs as root: its interpreter, its pip and the new
 server run as the target's uid, gid and groups (collect.target.Credentials),
 its log is opened by the new server itself, and a plan (--dry-run) runs
-nothing at all. swap refuses an interpreter, a folder above it or a
-site-packages that someone other than root or that user could write
+nothing at all. The interpreter is resolved once, at plan time, to an absolute
+path; the plugin probe and pip run it by that path from "/", never importing
+from a working folder (plugin.run_python), and the new server is started by that
+exact path (SwapPlan.launch_argv). swap refuses an interpreter, a folder above
+it or a site-packages that someone other than root or that user could write
 (swapsafety.path_risk, exit 44), and a server a supervisor would restart
-(collect.target.detect_supervisor, exit 45) unless forced. Before it stops
+(collect.target.detect_supervisor; a parent that runs API servers and is not
+vLLM's own launcher, collect.processes.server_supervisor: exit 45) unless forced. Before it stops
 anything it writes a script that starts the old command again exactly as it
 ran; SIGINT, SIGTERM or SIGHUP while the old server is down roll back, and
 where the rollback fails the result names what runs and that script.
@@ -43,6 +47,7 @@ from typing import Any
 
 from wedgectl import exitcodes, redact
 from wedgectl.collect import procread
+from wedgectl.collect.processes import server_supervisor
 from wedgectl.collect.target import (
     Credentials,
     Supervisor,
@@ -133,7 +138,7 @@ class SwapPlan:
     argv: tuple[str, ...]
     cwd: str
     env: Mapping[str, str] = field(repr=False)
-    python: str
+    python: str  # the interpreter, absolute, resolved once and checked (path_risk): what every run executes
     url: str
     port: int
     host: str
@@ -145,6 +150,13 @@ class SwapPlan:
     supervisor: Supervisor | None = None  # what would restart the old server (swap refuses without --force)
     # pid -> start time when planned (procfs.start_ticks): a pid reused since is never signalled
     start_ticks: Mapping[int, int] = field(default_factory=dict, repr=False)
+
+    @property
+    def launch_argv(self) -> tuple[str, ...]:
+        """The command as a restart runs it: argv with the checked interpreter's absolute path first,
+        so nothing looks it up on a PATH again (a python put earlier on it since would run instead, and
+        even one only named argv[0] would choose the prefix, and so the site-packages, it starts from)."""
+        return (self.python, *self.argv[1:])
 
     @property
     def new_env(self) -> dict[str, str]:
@@ -217,15 +229,19 @@ def read_proc(pid: int, proc_root: Path = procread.PROC) -> tuple[list[str], dic
 
 
 def resolve_interpreter(argv: Sequence[str], env: Mapping[str, str], cwd: str) -> str:
-    """The python the server runs: argv[0] as the server resolved it (a venv's python, not the
-    binary /proc/PID/exe points to, which is the base interpreter's)."""
+    """The python the server runs, as an absolute path: argv[0] as the server resolved it (a venv's
+    python, not the binary /proc/PID/exe points to, which is the base interpreter's). A relative
+    argv[0], and a relative or empty entry of the server's PATH, are taken in the server's folder,
+    never in wedgectl's. Resolved once, at plan time: everything after runs this exact path."""
     first = argv[0]
     if os.sep in first:
-        return first if os.path.isabs(first) else os.path.normpath(os.path.join(cwd, first))
-    found = shutil.which(first, path=env.get("PATH", os.defpath))
+        return os.path.normpath(os.path.join(cwd, first))
+    path = os.pathsep.join(os.path.join(cwd, entry or os.curdir)
+                           for entry in env.get("PATH", os.defpath).split(os.pathsep))
+    found = shutil.which(first, path=path)
     if found is None:
         raise SwapError(f"cannot find {first!r} on the server's PATH")
-    return found
+    return os.path.normpath(os.path.abspath(found))
 
 
 def host_and_port(argv: Sequence[str], base_url: str | None) -> tuple[str, int]:
@@ -305,8 +321,23 @@ def plan_swap(pid: int, proc_root: Path = procread.PROC) -> SwapPlan:
                   *(p for p, r in dep.roles.items() if p != api and r is Role.OTHER)])
     return SwapPlan(api_pid=api, tree=tree, argv=tuple(argv), cwd=cwd, env=env, python=python,
                     url=f"http://{host}:{port}", port=port, host=host, log_path=dep.log_path,
-                    plugin=plugin, plugin_ok=ok, run_as=run_as, supervisor=detect_supervisor(api, env, proc_root),
+                    plugin=plugin, plugin_ok=ok, run_as=run_as, supervisor=_supervisor(api, env, proc_root),
                     start_ticks=dict(dep.start_ticks))
+
+
+def _supervisor(api: int, env: Mapping[str, str], proc_root: Path) -> Supervisor | None:
+    """What would restart the server: a known supervisor (collect.target), or a parent that runs API
+    servers and is not vLLM's own launcher (processes.server_supervisor): it may start them again."""
+    found = detect_supervisor(api, env, proc_root)
+    if found is not None or proc_root != procread.PROC:
+        return found
+    above = server_supervisor(api)
+    if above is None:
+        return None
+    pid, why = above
+    fix = " ".join(f"{k}={v}" for k, v in FIXES_ENV.items())
+    return Supervisor("launcher", why, f"set {fix} in the environment pid {pid} starts its servers with, "
+                                       f"and restart them through it")
 
 
 # ------------------------------------------------------------------ stopping and starting
@@ -318,16 +349,20 @@ def start_command(argv: Sequence[str], env: Mapping[str, str], cwd: str, url: st
                   on_start: Callable[[Server], None] = lambda _s: None) -> tuple[Server | None, str]:
     """Start the server detached (it outlives wedgectl) as `run_as`, output appended to log_path (opened
     as that user); wait for /health, a wait that `guard`'s signals may cut short (SwapInterrupted).
+    argv[0] must be the checked interpreter's absolute path (SwapPlan.launch_argv): exactly that file
+    is executed, never one looked up on a PATH.
 
     (server, "") once healthy; (server, why) when it exited or stayed silent; (None, why) when it
     could not be started at all.
     """
+    if not os.path.isabs(argv[0]):
+        return None, f"it was not started: {argv[0]!r} is not an absolute path"
     tmp = env.get("TMPDIR")
     if tmp and (run_as is None or run_as.is_root):
         os.makedirs(tmp, exist_ok=True)  # a launcher may have removed the old server's temp folder
     try:
         server = launch(Command(argv=tuple(argv), env=env, url=url, log_path=Path(log_path), cwd=cwd,
-                                run_as=run_as), owned=False)
+                                run_as=run_as, executable=argv[0]), owned=False)
     except (OSError, SubprocessError) as exc:
         return None, f"it could not be started ({exc})"
     on_start(server)
@@ -421,7 +456,7 @@ class _Restore:
 def _write_restore(plan: SwapPlan, log_path: str) -> _Restore:
     from wedgectl.runtime.install import cache_dir
 
-    text = restore_script(plan.argv, plan.env, plan.cwd, log_path, plan.run_as)
+    text = restore_script(plan.launch_argv, plan.env, plan.cwd, log_path, plan.run_as)
     return _Restore(write_restore_script(cache_dir() / "swap", plan.port, text), log_path)
 
 
@@ -478,7 +513,7 @@ def _start(plan: SwapPlan, env: Mapping[str, str], result: SwapResult, guard: Si
     def keep(server: Server) -> None:
         result.server = server
 
-    return start_command(plan.argv, env, plan.cwd, plan.url, result.log_path or _new_log_path(plan),
+    return start_command(plan.launch_argv, env, plan.cwd, plan.url, result.log_path or _new_log_path(plan),
                          health_timeout_s, plan.run_as, guard, on_start=keep)
 
 

@@ -83,7 +83,7 @@ def can_append_as(path: str, run_as: Credentials, timeout_s: float = 10.0) -> bo
     """Whether `run_as` may append to (or create) `path`: asked of a shell run as that user, so root
     never opens a file the user chose."""
     try:
-        return run_bounded(["/bin/sh", "-c", ': >>"$0"', path], stdin=DEVNULL, timeout=timeout_s,
+        return run_bounded(["/bin/sh", "-c", ': >>"$0"', path], stdin=DEVNULL, timeout=timeout_s, cwd="/",
                            **run_as.popen_kwargs).returncode == 0  # type: ignore[arg-type]
     except (OSError, SubprocessError):
         return False

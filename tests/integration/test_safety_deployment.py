@@ -133,9 +133,12 @@ def test_diagnose_reports_its_own_server(supervised, tmp_path):
 
 
 def test_multi_api_server_launcher_is_one_deployment(spawn, tmp_path):
-    script = tmp_path / "multi_serve.py"  # a `*_serve.py` given `serve`: an API server entry point
+    # vLLM's CLI by what it runs (a python running a `vllm` script given `serve`), not a `*_serve.py`
+    # lookalike: a supervisor may be named so (issue 33, tests/test_security_swap.py).
+    script = tmp_path / "bin" / "vllm"
+    script.parent.mkdir()
     script.write_text(LAUNCHER)
-    info = spawn(script, "serve").expect("ready", timeout=120)
+    info = spawn(script, "serve", "--api-server-count", "2").expect("ready", timeout=120)
     for server in info["servers"]:
         dep = discover(pid=server)
         assert dep.root_pid == info["launcher"]

@@ -313,7 +313,7 @@ class ProbeRun:
             with os.fdopen(fd, "w") as f:
                 json.dump(spec, f)
             self._tmp = Path(name)
-            cmd, env = [sys.executable, "-m", "wedgectl.collect.ebpfbcc", name], bcc_env(bcc_python_path())
+            cmd, env = [sys.executable, "-P", "-m", "wedgectl.collect.ebpfbcc", name], bcc_env(bcc_python_path())
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                       stderr=self._stderr, env=env, text=True)
         self._reader = threading.Thread(target=self._read_stdout, name="wedgectl-probe-reader", daemon=True)

@@ -291,7 +291,7 @@ def _trial_bpftrace(path: str, probes: Sequence[str]) -> tuple[bool, str]:
 def _trial_bcc(where: Path) -> tuple[bool, str]:
     code = "from bcc import BPF; BPF(text='TRACEPOINT_PROBE(sched, sched_switch) { return 0; }')"
     try:
-        r = run_bounded([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        r = run_bounded([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=60,
                         env=bcc_env(where))
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, str(exc)

@@ -7,7 +7,8 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from stat import S_IRGRP, S_IROTH, S_IRUSR, S_ISREG
+from typing import BinaryIO, Sequence
 
 import psutil
 
@@ -16,6 +17,7 @@ from wedgectl.collect._failures import failure_from_oserror, permission_hint
 from wedgectl.collect.sockets import (
     TcpTables, listening_of, own_tcp_addresses, sockets_from_tables,
 )
+from wedgectl.errors import UnreadableInput
 from wedgectl.redact import redact_argv
 from wedgectl.types import CollectorFailure, FailureKind, ProcessSample, Role
 
@@ -251,7 +253,8 @@ def role_of(proc: psutil.Process) -> Role:
         p_name, p_cmdline = _name_cmdline(parent)
     except (psutil.Error, OSError):
         return role
-    forked = role is not Role.OTHER and list(cmdline) == list(p_cmdline)
+    # A fork that still shows its parent's cmdline and name; one that titled itself (comm) is what its title says.
+    forked = role is not Role.OTHER and list(cmdline) == list(p_cmdline) and name == p_name
     if role is Role.OTHER and _is_mp_child(cmdline) or forked:
         parent_role = role_of(parent) if forked else classify_role(p_name, p_cmdline)
         if parent_role is Role.API_SERVER:
@@ -276,10 +279,94 @@ def _title_kind(name: str, cmdline: Sequence[str]) -> str:
 # APIServer_DP<n>) and spawns N API servers that title themselves APIServer_<i>
 # (v1/utils.run_api_server_worker_proc); comm cuts that title to "VLLM::APIServer".
 _LAUNCHED = re.compile(r"^APIServer(_\d+)?$")
+_DP_SERVER = re.compile(r"^APIServer_DP\d+$")
+# A title is no evidence: any process sets its own (prctl, or over its argv). The launcher is known by
+# what it runs: a Python interpreter (/proc/PID/exe) running vLLM's own CLI (the `vllm` console script,
+# or its module) with `serve`, not held to one API server; and it never starts an API server again
+# (it stops them all when one dies), so servers of one parent started this far apart were restarted.
+_CLI_MODULE = "vllm.entrypoints.cli.main"
+_COUNT_FLAGS = ("--api-server-count", "-asc")
+RESTART_SPREAD_S = 15.0
+
+
+def _flag_value(args: Sequence[str], names: Sequence[str]) -> str | None:
+    """The last value given to any of `names` (`--flag V` or `--flag=V`), as argparse keeps it."""
+    value = None
+    for i, arg in enumerate(args):
+        flag, eq, rest = arg.partition("=")
+        if flag in names:
+            value = rest if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return value
+
+
+def vllm_cli_serve(cmdline: Sequence[str]) -> list[str] | None:
+    """The arguments after `serve` when `cmdline` runs vLLM's own CLI `serve`; None otherwise. Read from
+    the argv as the kernel holds it: one string with spaces (a title written over argv) is no command."""
+    if len(cmdline) < 2:
+        return None
+    entry, rest = _entry(list(cmdline))
+    entry = entry.replace("\\", "/")
+    cli = os.path.basename(entry) == "vllm" or entry == _CLI_MODULE or entry.endswith("vllm/entrypoints/cli/main.py")
+    return list(rest[1:]) if cli and rest and rest[0] == "serve" else None
+
+
+def _runs_python(proc: psutil.Process) -> bool:
+    """Whether the process's executable is a Python interpreter; True when it cannot be read (then
+    its argv alone tells)."""
+    try:
+        exe = os.readlink(procfs.PROC / str(proc.pid) / "exe")
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return bool(_PYTHON.match(os.path.basename(exe.removesuffix(" (deleted)"))))
+
+
+def restarted_servers(proc: psutil.Process) -> float | None:
+    """Seconds between the first and the last start of the API servers among `proc`'s children, when
+    more than RESTART_SPREAD_S: it started one again (a supervisor). None otherwise."""
+    starts = []
+    try:
+        children = proc.children()
+    except (psutil.Error, OSError):
+        return None
+    for child in children:
+        try:
+            if role_of(child) is Role.API_SERVER:
+                starts.append(child.create_time())
+        except (psutil.Error, OSError):
+            continue
+    spread = max(starts) - min(starts) if len(starts) > 1 else 0.0
+    return spread if spread > RESTART_SPREAD_S else None
+
+
+def is_vllm_cli(proc: psutil.Process) -> list[str] | None:
+    """`serve`'s arguments when `proc` runs vLLM's own CLI `serve` by its code (a Python interpreter, the
+    console script or module) and has not restarted an API server; None otherwise."""
+    try:
+        _, cmdline = _name_cmdline(proc)
+    except (psutil.Error, OSError):
+        return None
+    args = vllm_cli_serve(cmdline)
+    if args is None or not _runs_python(proc) or restarted_servers(proc) is not None:
+        return None
+    return args
+
+
+def _multi_server(args: Sequence[str]) -> bool:
+    """Whether `vllm serve` with these arguments may run several API servers (not --headless, and no
+    --api-server-count of 1 or less; without one vLLM defaults it to the data-parallel size)."""
+    count = _flag_value(args, _COUNT_FLAGS)
+    try:
+        return "--headless" not in args and (count is None or int(count) > 1)
+    except ValueError:
+        return False
 
 
 def launcher_of(proc: psutil.Process) -> psutil.Process | None:
-    """The multi-API-server launcher that spawned ``proc``, when ``proc`` is one of its API servers."""
+    """The multi-API-server launcher that spawned ``proc``, when ``proc`` is one of its API servers: a
+    parent that is vLLM's launcher by its code (is_vllm_cli), or a data-parallel server (APIServer_DP<n>)
+    that vLLM's CLI started. A parent with a vLLM-looking title or name alone is none."""
     try:
         name, cmdline = _name_cmdline(proc)
         if not _LAUNCHED.match(_title_kind(name, cmdline)):
@@ -288,11 +375,14 @@ def launcher_of(proc: psutil.Process) -> psutil.Process | None:
         if parent is None or parent.pid <= 1:
             return None
         p_name, p_cmdline = _name_cmdline(parent)
+        if _DP_SERVER.match(_title_kind(p_name, p_cmdline)):
+            above = parent.parent()
+            ok = above is not None and above.pid > 1 and is_vllm_cli(above) is not None
+            return parent if ok and restarted_servers(parent) is None else None
     except (psutil.Error, OSError):
         return None
-    if classify_role(p_name, p_cmdline) is not Role.API_SERVER or _LAUNCHED.match(_title_kind(p_name, p_cmdline)):
-        return None
-    return parent
+    args = is_vllm_cli(parent)
+    return parent if args is not None and _multi_server(args) else None
 
 
 def deployment_root(pid: int) -> psutil.Process | None:
@@ -346,16 +436,161 @@ def api_servers_below(pid: int) -> list[int]:
     return [p.pid for p in below if role_of(p) is Role.API_SERVER and launcher_of(p) is None]
 
 
-def log_path_of(pid: int, proc_root: Path = procfs.PROC) -> str | None:
-    """The regular file the process's stdout or stderr goes to: the server log, if redirected."""
+def server_supervisor(pid: int) -> tuple[int, str] | None:
+    """(its pid, why) when the parent of the deployment ``pid`` belongs to is something that would start
+    its API server again: a parent that runs API servers and is not vLLM's own launcher (it looks like
+    vLLM, runs other API servers, or has started one again). None for any other parent (a shell, an
+    init, vLLM's own CLI): swap then stops the deployment alone.
+    """
+    root = deployment_root(pid)
+    try:
+        parent = root.parent() if root is not None else None
+        if parent is None or parent.pid <= 1:
+            return None
+        _, argv = _name_cmdline(parent)
+        children = parent.children()
+    except (psutil.Error, OSError):
+        return None
+    if is_vllm_cli(parent) is not None:
+        return None
+    what = f"pid {parent.pid} ({' '.join(redact_argv(argv))[:80]})"
+    again = restarted_servers(parent)
+    if again is not None:
+        return parent.pid, f"{what} started an API server again, {again:.0f} s after its first"
+    if looks_like_vllm(parent):
+        return parent.pid, f"{what} runs the API server and looks like vLLM, but is not vLLM's own launcher"
+    servers = [c.pid for c in children if role_of(c) is Role.API_SERVER]
+    if len(servers) > 1:
+        return parent.pid, f"{what} runs {len(servers)} API servers (pids {' '.join(map(str, servers))})"
+    return None
+
+
+@dataclass(frozen=True)
+class HeldLog:
+    """The server log as the process holds it: its descriptor fd, the file (dev, ino) that fd held when
+    found, and the process's credentials then. path (what /proc/PID/fd/FD reads as) is for people:
+    in another mount namespace, or once renamed, it may name another file (a root-only one bind-mounted
+    there), so the file is opened through the descriptor (open), never by that path unchecked."""
+
+    pid: int
+    fd: int
+    path: str
+    dev: int
+    ino: int
+    uid: int  # the process's filesystem uid and gids: whether it could read the file itself
+    gids: frozenset[int]
+    fd_readable: bool  # the process opened it for reading too (O_RDONLY or O_RDWR)
+    proc_root: Path = procfs.PROC
+
+    def __str__(self) -> str:
+        return self.path
+
+    def open(self) -> BinaryIO:
+        return open_held_log(self)
+
+
+def _credentials(pid: int, proc_root: Path) -> tuple[int, frozenset[int]] | None:
+    """The filesystem uid and the gids (fs gid and supplementary groups) in /proc/PID/status."""
+    try:
+        text = (proc_root / str(pid) / "status").read_text(errors="replace")
+    except OSError:
+        return None
+    fields = dict(line.partition(":")[::2] for line in text.splitlines()[:64])
+    try:
+        uid = int(fields["Uid"].split()[3])
+        gids = {int(fields["Gid"].split()[3]), *(int(g) for g in fields.get("Groups", "").split())}
+    except (KeyError, IndexError, ValueError):
+        return None
+    return uid, frozenset(gids)
+
+
+def _fd_readable(pid: int, fd: int, proc_root: Path) -> bool:
+    """Whether the process opened fd for reading (fdinfo's flags); False when unknown."""
+    try:
+        text = (proc_root / str(pid) / "fdinfo" / str(fd)).read_text(errors="replace")
+        flags = next(int(line.split()[1], 8) for line in text.splitlines() if line.startswith("flags:"))
+    except (OSError, StopIteration, IndexError, ValueError):
+        return False
+    return flags & os.O_ACCMODE != os.O_WRONLY
+
+
+def log_path_of(pid: int, proc_root: Path = procfs.PROC) -> HeldLog | None:
+    """The regular file the process's stdout or stderr goes to (the server log, if redirected), as the
+    process holds it. The file is stat'ed through /proc/PID/fd/N, which reaches the process's own file
+    in its own mount namespace; the path it reads as is never stat'ed here."""
+    creds = _credentials(pid, proc_root)
+    if creds is None:
+        return None
     for fd in (2, 1):
+        link = proc_root / str(pid) / "fd" / str(fd)
         try:
-            target = os.readlink(proc_root / str(pid) / "fd" / str(fd))
+            target = os.readlink(link)
+            st = os.stat(link)
         except OSError:
             continue
-        if target.startswith("/") and not target.startswith(("/dev/", "/proc/")) and os.path.isfile(target):
-            return target
+        if target.startswith("/") and not target.startswith(("/dev/", "/proc/")) and S_ISREG(st.st_mode):
+            return HeldLog(pid, fd, target, st.st_dev, st.st_ino, creds[0], creds[1],
+                           _fd_readable(pid, fd, proc_root), proc_root)
     return None
+
+
+def _target_could_read(log: HeldLog, st: os.stat_result) -> bool:
+    """Whether the process could read the file itself: through its descriptor, or by the mode bits for
+    its uid and gids (ACLs aside). A log it may only write is not ours to read on its behalf."""
+    if log.fd_readable or log.uid == 0:
+        return True
+    if st.st_uid == log.uid:
+        return bool(st.st_mode & S_IRUSR)
+    if st.st_gid in log.gids:
+        return bool(st.st_mode & S_IRGRP)
+    return bool(st.st_mode & S_IROTH)
+
+
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+def _open_checked(where: str | Path, log: HeldLog) -> BinaryIO:
+    """where opened for reading if it is the file found (same dev and ino), checked before a byte is
+    read; a FIFO or device swapped in is stat'ed, never opened. UnreadableInput otherwise."""
+    st = os.stat(where)
+    if (st.st_dev, st.st_ino) != (log.dev, log.ino):
+        raise _NotTheLog()
+    fd = os.open(where, _READ_FLAGS)
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (log.dev, log.ino) or not S_ISREG(st.st_mode):
+            raise _NotTheLog()
+        if not _target_could_read(log, st):
+            raise UnreadableInput(f"{log.path}: process {log.pid} (uid {log.uid}) could not read this file itself; "
+                                  f"not read (give --log to read it anyway)")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class _NotTheLog(Exception):
+    """What is there now is not the file the process wrote its log to."""
+
+
+def open_held_log(log: HeldLog) -> BinaryIO:
+    """The server log, opened through /proc/PID/fd/N while that descriptor still holds the file found;
+    by its path once it does not (the process exited, or reopened its output), but only where the path
+    still leads to that very file. Either way device and inode are checked before any byte is read (so
+    a reused pid changes nothing). UnreadableInput says why not."""
+    try:
+        return _open_checked(log.proc_root / str(log.pid) / "fd" / str(log.fd), log)
+    except (OSError, _NotTheLog):
+        pass  # gone, or it holds another file now: the path, checked the same way
+    try:
+        return _open_checked(log.path, log)
+    except _NotTheLog:
+        raise UnreadableInput(f"{log.path}: no longer the file process {log.pid} wrote its log to "
+                              "(another device or inode); not read") from None
+    except FileNotFoundError:
+        raise UnreadableInput(f"{log.path}: gone, and process {log.pid} no longer holds it; not read") from None
+    except OSError as exc:
+        raise UnreadableInput(f"{log.path}: {exc.strerror or exc}") from None
 
 
 # Device nodes through which a process holds an accelerator (and its memory): NVIDIA, AMD/Intel DRM,

@@ -266,6 +266,23 @@ def _readlinks(fd_dir: str, skip: frozenset[int] | set[int] = frozenset()) -> li
     return links
 
 
+def owner_uids(pid: int, proc_root: Path = PROC) -> tuple[int, int] | None:
+    """The process's real and effective uid, from its status file (not /proc/PID's owner, which a
+    process that makes itself non-dumpable turns to root); None when gone or unreadable."""
+    try:
+        with open(f"{proc_root}/{pid}/status", "rb") as f:
+            text = f.read(16 << 10)
+    except OSError:
+        return None
+    for line in text.split(b"\n"):
+        if line.startswith(b"Uid:"):
+            fields = line.split()[1:3]
+            if len(fields) == 2 and all(x.isdigit() for x in fields):
+                return int(fields[0]), int(fields[1])
+            return None
+    return None
+
+
 def start_ticks(pid: int, proc_root: Path = PROC) -> int | None:
     """When the process started (clock ticks after boot, /proc/PID/stat field 22); None if gone.
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Sequence
+from encodings import normalize_encoding
+from encodings.aliases import aliases as _CODEC_ALIASES
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
 from wedgectl.redact import redact_url
@@ -13,6 +15,12 @@ from wedgectl.types import FailureKind, MetricsScrape
 COLLECTOR = "metrics"
 MAX_BODY_BYTES = 32 * 1024 * 1024
 _TEXT_TYPES = ("text/", "application/openmetrics-text")
+# The only codecs a body is decoded with, by the codec module's name. The server names the charset:
+# any other codec (punycode is quadratic, "undefined" raises, a UTF-16 page is no exposition) is
+# refused before a byte is decoded. The name is matched through the alias table alone, so no codec
+# module the server names is imported.
+CHARSETS = {"utf_8": "utf-8", "ascii": "ascii", "latin_1": "latin-1"}
+MAX_CHARSET = 40  # characters of a charset name looked at (and quoted back)
 _WILDCARD = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "[::1]", "": "127.0.0.1"}
 
 
@@ -289,6 +297,12 @@ def _get(sock: socket.socket, request: bytes, deadline: float, body: bool = True
     return answer
 
 
+def failure_kind(error: str | None) -> FailureKind:
+    """The FailureKind a scrape's error starts with (unreachable for none it names)."""
+    kind = (error or "").split(":", 1)[0]
+    return next((k for k in FailureKind if k.value == kind), FailureKind.UNREACHABLE)
+
+
 def _error_for(exc: BaseException, timeout: float, connected: bool) -> str:
     if isinstance(exc, _Refused):
         return f"{FailureKind.ERROR.value}: bad URL: {exc}"
@@ -304,13 +318,41 @@ def _error_for(exc: BaseException, timeout: float, connected: bool) -> str:
     return f"{FailureKind.ERROR.value}: {type(exc).__name__}: {exc}"
 
 
-def scrape_metrics(url: str, timeout: float = 2.0) -> MetricsScrape:
+def codec_for(charset: str | None) -> str | None:
+    """The codec a body in `charset` is decoded with (utf-8 when none is named), or None for one
+    not allowed (CHARSETS). Aliases count ("UTF8", "us-ascii", "ISO-8859-1")."""
+    if charset is None:
+        return "utf-8"
+    if len(charset) > MAX_CHARSET:
+        return None
+    key = normalize_encoding(charset.lower())
+    return CHARSETS.get(_CODEC_ALIASES.get(key, key))
+
+
+def _decode(body: bytes, charset: str | None) -> tuple[str | None, str | None]:
+    """(text, None) or (None, the bad_data error): a linear decode with an allowed codec only."""
+    codec = codec_for(charset)
+    if codec is None:
+        return None, (f"{FailureKind.BAD_DATA.value}: not Prometheus metrics: charset "
+                      f"{ascii(charset[:MAX_CHARSET])} (utf-8, ascii or latin-1 only)")
+    try:
+        return body.decode(codec), None
+    except UnicodeDecodeError as exc:
+        return None, (f"{FailureKind.BAD_DATA.value}: not Prometheus metrics: body is not {codec} text "
+                      f"(byte {exc.start})")
+
+
+def scrape_metrics(url: str, timeout: float = 2.0, max_bytes: int = MAX_BODY_BYTES) -> MetricsScrape:
     """One GET of ``url``. The whole call ends within about ``timeout`` (connect at most 1 s,
-    and the body is abandoned once the deadline passes). ``error`` starts with a
-    FailureKind value; a non-200 answer keeps its status and body and says so in ``error``.
+    and the body is abandoned once the deadline passes; the decode, linear with an allowed codec,
+    counts against it too). ``error`` starts with a FailureKind value; a non-200 answer keeps its
+    status and body and says so in ``error``. A body over ``max_bytes`` (at most MAX_BODY_BYTES),
+    in a charset other than utf-8, ascii or latin-1, or not valid in its charset is bad_data:
+    not Prometheus metrics. Never raises.
     """
     start = time.monotonic()
     deadline = start + timeout
+    max_bytes = min(max_bytes, MAX_BODY_BYTES)
     status: int | None = None
     sock: socket.socket | None = None
     late = f"{FailureKind.TIMEOUT.value}: body not complete within {timeout:.1f}s"
@@ -321,7 +363,17 @@ def scrape_metrics(url: str, timeout: float = 2.0) -> MetricsScrape:
         ctype = resp.headers.get("content-type", "")
         encoding = resp.headers.get("content-encoding", "").strip().lower()
         if encoding not in ("", "identity"):
-            return _done(url, start, status, error=f"{FailureKind.BAD_DATA.value}: content-encoding {encoding!r} not asked for")
+            return _done(url, start, status, error=f"{FailureKind.BAD_DATA.value}: content-encoding "
+                         f"{ascii(encoding[:MAX_CHARSET])} not asked for")
+        mime = ctype.split(";", 1)[0].strip().lower()
+        if mime and not mime.startswith(_TEXT_TYPES):
+            return _done(url, start, status, error=f"{FailureKind.BAD_DATA.value}: content-type "
+                         f"{ascii(mime[:MAX_CHARSET])} is not text")
+        charset = resp.charset()
+        if codec_for(charset) is None:  # refused before the body is read
+            return _done(url, start, status, error=_decode(b"", charset)[1])
+        if resp.length is not None and resp.length > max_bytes:
+            return _done(url, start, status, error=f"{FailureKind.BAD_DATA.value}: body over {max_bytes} bytes")
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -338,23 +390,18 @@ def scrape_metrics(url: str, timeout: float = 2.0) -> MetricsScrape:
                 break
             chunks.append(chunk)
             size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                return _done(url, start, status, error=f"{FailureKind.BAD_DATA.value}: body over {MAX_BODY_BYTES} bytes")
+            if size > max_bytes:
+                return _done(url, start, status, error=f"{FailureKind.BAD_DATA.value}: body over {max_bytes} bytes")
         body = b"".join(chunks)
-        charset = resp.charset() or "utf-8"
+        del chunks
+        text, error = _decode(body, charset)
     except Exception as exc:  # noqa: BLE001 - never raise: the failure is the data
         return _done(url, start, status, error=_error_for(exc, timeout, sock is not None))
     finally:
         if sock is not None:
             sock.close()
-
-    mime = ctype.split(";", 1)[0].strip().lower()
-    if mime and not mime.startswith(_TEXT_TYPES):
-        return _done(url, start, status, error=f"{FailureKind.BAD_DATA.value}: content-type {mime!r} is not text")
-    try:
-        text = body.decode(charset)
-    except (UnicodeDecodeError, LookupError):
-        return _done(url, start, status, error=f"{FailureKind.BAD_DATA.value}: body is not valid text")
+    if error is not None:
+        return _done(url, start, status, error=error)
     if "\x00" in text:
         return _done(url, start, status, error=f"{FailureKind.BAD_DATA.value}: body contains NUL bytes")
     error = None if status == 200 else f"{FailureKind.ERROR.value}: HTTP {status}"
@@ -392,9 +439,11 @@ class Scraper:
     thread-safe: the sampler's scrape and health check go side by side. The TLS context, the
     only costly part of a client, is built once per process and only for an https target."""
 
-    def __init__(self, timeout: float = 2.0, series: Sequence[str] | None = None) -> None:
+    def __init__(self, timeout: float = 2.0, series: Sequence[str] | None = None,
+                 max_bytes: int = MAX_BODY_BYTES) -> None:
         self.timeout = timeout
         self.series = tuple(series) if series else None
+        self.max_bytes = max_bytes  # a bigger page is bad_data (watch keeps its pages within a budget)
         # Per metrics URL, whether its restricted page answers as asked (absent: not known yet).
         self.restricted: dict[str, bool] = {}
         self._asked: dict[str, str] = {}  # metrics URL -> its restricted URL, built once
@@ -411,12 +460,12 @@ class Scraper:
         all (a timeout, a refused connection) decides nothing and is returned as it failed."""
         timeout = self.timeout if timeout is None else timeout
         if self.series is None or self.restricted.get(url) is False:
-            return scrape_metrics(url, timeout)
+            return scrape_metrics(url, timeout, self.max_bytes)
         if self.restricted.get(url) and self._scrapes.get(url, 0) >= VERIFY_EVERY:
             # Now and then the whole page, as this scrape: a series the restricted page leaves out
             # (one that appeared since, from a collector the server's registry does not index by
             # name) means the whole page from then on.
-            got = scrape_metrics(url, timeout)
+            got = scrape_metrics(url, timeout, self.max_bytes)
             if got.ok:
                 self._scrapes[url] = 0
                 if self._left_out(url, got):
@@ -426,7 +475,7 @@ class Scraper:
         asked = self._asked.get(url)
         if asked is None:
             asked = self._asked[url] = restricted_url(url, self.series)
-        got = scrape_metrics(asked, timeout)
+        got = scrape_metrics(asked, timeout, self.max_bytes)
         if got.status is None:
             return got
         if self.restricted.get(url):
@@ -437,11 +486,11 @@ class Scraper:
         left = lambda: max(0.1, timeout - (time.monotonic() - start))  # noqa: E731 - what is left of the timeout
         if not _serves_series(got):
             self.restricted[url] = False
-            return scrape_metrics(url, left())
+            return scrape_metrics(url, left(), self.max_bytes)
         # The first restricted page: checked against the whole page once. prometheus_client's
         # restricted registry collects only collectors it indexes by name, so a collector that
         # names nothing up front (a plugin's) is left out of it: the whole page then.
-        whole = scrape_metrics(url, left())
+        whole = scrape_metrics(url, left(), self.max_bytes)
         if not whole.ok:
             return got  # nothing decided: checked again at the next scrape
         self._last[url] = got.text or ""

@@ -114,7 +114,7 @@ def install_runtime(
     Every step's output goes to `<venv>/install.log`; `progress` gets one
     short line per step. The whole install is bounded by `timeout_s`.
     """
-    venv = runtime_dir() if venv is None else venv
+    venv = (runtime_dir() if venv is None else venv).absolute()  # each step runs from "/"
     say = progress or (lambda _line: None)
     if not force and is_installed(venv):
         return venv_python(venv)
@@ -179,6 +179,7 @@ def _run_step(
             stderr=STDOUT,
             timeout=timeout,
             stdin=DEVNULL,
+            cwd="/",  # `-m` and `-c` put the working folder first on sys.path: never the caller's
         )
     except TimeoutExpired as exc:
         log.write(_as_text(exc.output))

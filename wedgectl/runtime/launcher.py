@@ -86,6 +86,9 @@ def server_env(
         env.setdefault(key, value)
     # Log lines must reach the file as they are written: other tools tail it.
     env["PYTHONUNBUFFERED"] = "1"
+    # The server starts in the caller's folder, and the processes vLLM spawns run `python -c`, which puts
+    # that folder first on sys.path: never import from it (Python 3.11+; _serve.py drops its own folder).
+    env["PYTHONSAFEPATH"] = "1"
     # vLLM leaves /tmp/vllm_dist_* files behind; give it a folder we remove.
     env["TMPDIR"] = str(tmp_dir)
     env.update(spec.env)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import itertools
 import resource
 import threading
 import time
@@ -20,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from wedgectl import __version__
-from wedgectl.bundle import read_bundle, write_bundle
+from wedgectl.bundle import read_bundle, write_bundle_in
 from wedgectl.classify import classify
 from wedgectl.collect import processes
 from wedgectl.discover import Deployment, base_url_from_listening, discover
@@ -98,11 +99,11 @@ class LiveSource:
         self._manifest = replace(self._manifest, target=replace(self._manifest.target, url=dep.base_url, pids=dep.pids))
 
     def log_tail(self, max_bytes: int) -> tuple[str, ...]:
-        path = self._manifest.target.log_path
-        if not path:
+        log = self.deployment.log  # read through the process's descriptor, never by the path it shows
+        if log is None:
             return ()
         try:
-            return read_log_lines(path, max_bytes=max_bytes)[0]
+            return read_log_lines(log, max_bytes=max_bytes)[0]
         except WedgectlError:
             return ()
 
@@ -223,11 +224,14 @@ def _cpu_s() -> float:
 
 
 def save_bundle(bundle: Bundle, directory: Path) -> Path:
-    """Write the bundle as wedgectl-top-YYYYmmdd-HHMMSS.tar.gz in directory."""
-    name = f"wedgectl-top-{time.strftime('%Y%m%d-%H%M%S')}.tar.gz"
+    """Write the bundle as a new wedgectl-top-YYYYmmdd-HHMMSS[-N].tar.gz in directory: made 0700, or
+    an existing one of ours that no one else may write (bundle.open_bundle_dir; UnwritableOutput)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
     if bundle.verdict is None:
         bundle = replace(bundle, verdict=classify(bundle))
-    return write_bundle(bundle, Path(directory) / name)
+    names = itertools.chain([f"wedgectl-top-{stamp}.tar.gz"],
+                            (f"wedgectl-top-{stamp}-{n}.tar.gz" for n in itertools.count(1)))
+    return write_bundle_in(bundle, directory, names)
 
 
 # --------------------------------------------------------------- the picker

@@ -3,33 +3,46 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from wedgectl.classify import classify
+from wedgectl.collect.procfs import owner_uids
 from wedgectl.errors import WedgectlError
 from wedgectl.sampler import SamplerOptions, capture
-from wedgectl.redact import redact_text
+from wedgectl.redact import printable, redact_text
 from wedgectl.types import Bundle
-from wedgectl.watch.exposition import DEFAULT_LISTEN, Endpoint, Snapshot
-from wedgectl.watch.recorder import Rotation, save_onset
+from wedgectl.watch.exposition import DEFAULT_LISTEN, Endpoint, Snapshot, WebConfig
+from wedgectl.watch.recorder import Rotation, check_bundle_dir, save_onset
 from wedgectl.watch.state import Episode, Escalation, Tracker, iso, queue_of
 from wedgectl.watch.targets import BUNDLE_LOG_BYTES, Spec, Watched, host_deployments, node_name
 
 ONSET_WINDOW_S = 6.0  # the onset bundle's own capture (stops early once certain), probes alongside
 MAX_WORKERS = 4  # targets sampled side by side; a slow one does not hold the others back
 RECORD_WAIT_S = 60.0  # an episode's end line waits this long at most for its onset bundle
+# An evaluation still running after this long is abandoned: its worker's slot goes to another target
+# (its thread runs on, a daemon, and its target is skipped and shown stale until it ends). Every
+# collector an evaluation calls is bounded well within it; this bounds what no collector foresaw.
+EVALUATION_BOUND_S = 30.0
+RECORD_BOUND_S = 300.0  # the same for an onset recording (its capture, the probes, the save)
+MAX_ABANDONED = 16  # abandoned threads running at once, at most: past it, a stuck job keeps its slot
+EXIT_WAIT_S = 2.0  # at exit, the ticks under way get this long to finish (SIGTERM to exit within 5 s)
+TARGET_BUDGET_BYTES = 8 << 20  # each target's kept samples (--target-budget-mb)
+TOTAL_BUDGET_BYTES = 256 << 20  # all targets' kept samples together (--total-budget-mb)
+MAX_TARGETS = 64  # deployments adopted in host mode (--max-targets); named ones are always watched
 
 
 @dataclass(frozen=True)
 class WatchOptions:
     specs: tuple[Spec, ...] = ()  # none: every vLLM deployment on the host, rediscovered
     listen: str = DEFAULT_LISTEN
+    web_config: WebConfig | None = None  # --web-config-file: TLS and basic auth on every path
     bundle_dir: Path | None = None
     rotation: Rotation = Rotation()
     grace_s: float = 120.0
@@ -38,6 +51,70 @@ class WatchOptions:
     ebpf: str = "auto"  # probes in the onset capture: the best back-end down to /proc
     as_json: bool = False
     scrape_timeout_s: float = 2.0
+    target_budget_bytes: int = TARGET_BUDGET_BYTES
+    total_budget_bytes: int = TOTAL_BUDGET_BYTES
+    max_targets: int = MAX_TARGETS
+    users: frozenset[int] | None = None  # host mode adopts processes of these uids; None: root and our own
+
+
+class Workers:
+    """Jobs on daemon threads, at most `size` holding a slot at once (the watcher's CPU stays
+    bounded, and a slow target does not hold the others back). A job still running after `bound_s`
+    is abandoned: its slot is freed for another job while its thread runs on, up to `max_abandoned`
+    such threads at once (past the cap, a stuck job keeps its slot). Daemon threads, not an
+    executor: the interpreter joins an executor's workers at exit, so one stuck job would hold
+    watch's exit for ever; a daemon thread holds nothing."""
+
+    def __init__(self, size: int, bound_s: float, max_abandoned: int = MAX_ABANDONED,
+                 name: str = "wedgectl-watch") -> None:
+        self.size, self.bound_s, self.max_abandoned, self.name = size, bound_s, max_abandoned, name
+        self._lock = threading.Lock()
+        self._slots: dict[Future, float] = {}  # the jobs holding a slot -> when each started (monotonic)
+        self._abandoned: set[Future] = set()
+        self.abandoned_total = 0
+
+    def submit(self, fn: Callable[..., object], *args: object) -> Future | None:
+        """Start fn(*args) in a slot; None when every slot is taken."""
+        with self._lock:
+            self._reap(time.monotonic())
+            if len(self._slots) >= self.size:
+                return None
+            fut: Future = Future()
+            self._slots[fut] = time.monotonic()
+
+        def run() -> None:
+            result, error = None, None
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                error = exc
+            with self._lock:  # the slot is free before the job shows done: the next tick finds it
+                self._slots.pop(fut, None)
+                self._abandoned.discard(fut)
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+        try:
+            threading.Thread(target=run, daemon=True, name=self.name).start()
+        except RuntimeError:  # no thread to be had (the process's limit): nothing started
+            with self._lock:
+                self._slots.pop(fut, None)
+            return None
+        return fut
+
+    def _reap(self, now: float) -> None:
+        for fut, started in list(self._slots.items()):
+            if now - started > self.bound_s and len(self._abandoned) < self.max_abandoned:
+                del self._slots[fut]
+                self._abandoned.add(fut)
+                self.abandoned_total += 1
+
+    @property
+    def abandoned(self) -> int:
+        with self._lock:
+            return len(self._abandoned)
 
 
 def episode_lines(event: str, ep: Episode, as_json: bool, now: float) -> Iterator[str]:
@@ -46,11 +123,11 @@ def episode_lines(event: str, ep: Episode, as_json: bool, now: float) -> Iterato
         yield json.dumps({"event": f"episode_{event}", **ep.to_json(now)}, separators=(",", ":"))
         return
     tail = f"bundle {ep.bundle}" if ep.bundle else "no bundle"
-    if event == "start":
-        yield f"{iso(ep.start)} {ep.target}: {ep.verdict.value} began, queue {ep.peak_queue:.0f}, {tail}"
+    if event == "start":  # printable: the target's name carries a model_name the server chose
+        yield printable(f"{iso(ep.start)} {ep.target}: {ep.verdict.value} began, queue {ep.peak_queue:.0f}, {tail}")
     else:
-        yield (f"{iso(ep.end)} {ep.target}: {ep.verdict.value} ended after {ep.duration_s(now):.0f}s "
-               f"(began {iso(ep.start)}, peak queue {ep.peak_queue:.0f}), {tail}")
+        yield printable(f"{iso(ep.end)} {ep.target}: {ep.verdict.value} ended after {ep.duration_s(now):.0f}s "
+                        f"(began {iso(ep.start)}, peak queue {ep.peak_queue:.0f}), {tail}")
 
 
 class Watcher:
@@ -67,10 +144,14 @@ class Watcher:
         self.escalations: dict[object, Escalation] = {}
         self.failures: Counter[tuple[str, str]] = Counter()
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="wedgectl-watch")
+        self._workers = Workers(MAX_WORKERS, EVALUATION_BOUND_S)
+        self._recorders = Workers(MAX_WORKERS, RECORD_BOUND_S, name="wedgectl-watch-record")
         self._running: dict[object, Future] = {}
+        self._started: dict[object, float] = {}  # when each target's last evaluation began (monotonic)
         self._recording: dict[object, Future] = {}
         self._discovered = 0.0
+        self.users = options.users if options.users is not None else frozenset({0, os.getuid()})
+        self._told: set[int] = set()  # host-mode pids whose skipping was said (said once, at first sight)
 
     # ----------------------------------------------------------- targets
 
@@ -85,18 +166,38 @@ class Watcher:
             return
         self._discovered = time.monotonic()
         known = {w.pid for w in self.watched.values()}
-        for pid in host_deployments():
-            if pid in known:
+        found = host_deployments()
+        self._told &= set(found)  # a pid gone and reused is a new process: said again
+        for pid in found:
+            if pid in known or pid in self._told:
+                continue
+            uids = owner_uids(pid)
+            if uids is None:
+                continue  # gone, or its owner unreadable: looked at again at the next discovery
+            why = None
+            if not set(uids) <= self.users:
+                why = (f"run by uid {'/'.join(str(u) for u in sorted(set(uids)))}, not one of --users "
+                       f"{','.join(str(u) for u in sorted(self.users))}")
+            elif len(self.watched) >= self.options.max_targets:
+                why = f"already watching --max-targets {self.options.max_targets} deployments"
+            if why is not None:
+                self._told.add(pid)
+                with self._lock:
+                    self.failures[("discovery", "skipped")] += 1
+                self.say(f"skipped pid {pid}: {why}")
                 continue
             try:
                 self._add(pid, Watched.connect(Spec(pid=pid), self.node))
             except WedgectlError as exc:
+                self._told.add(pid)
                 self.say(f"skipped pid {pid}: {exc}")
 
     def _add(self, key: object, w: Watched) -> None:
         with self._lock:
             self.watched[key] = w
             self.escalations[key] = Escalation()
+            self.trackers[key] = Tracker(w.name)  # shown (stale) even before its first evaluation ends
+            self._share_budget()
         self.say(redact_text(f"watching {w.name} (pid {w.pid or '-'}, {w.deployment.base_url or 'no URL yet'})"))
 
     def _drop(self, key: object, why: str) -> None:
@@ -104,6 +205,7 @@ class Watcher:
             w = self.watched.pop(key)
             tracker = self.trackers.pop(key, None)
             self.escalations.pop(key, None)
+            self._share_budget()
         w.close()
         ended = tracker.close(time.time()) if tracker else None
         if ended is not None:
@@ -112,14 +214,30 @@ class Watcher:
 
     # ----------------------------------------------------------- sampling
 
+    def _share_budget(self) -> None:
+        """Each target's byte budget: --target-budget-mb, or its share of --total-budget-mb when the
+        targets together would pass it (under the lock)."""
+        share = min(self.options.target_budget_bytes, self.options.total_budget_bytes // max(1, len(self.watched)))
+        for w in self.watched.values():
+            w.set_budget(share)
+
     def tick(self) -> None:
-        """Start a tick for every target whose last one is done (a slow target skips, never piles up)."""
+        """Start a tick for every target whose last one is done, the longest-waiting first (a slow
+        target skips, never piles up). A target whose last evaluation still runs, or that found
+        no free worker, is skipped and shown stale."""
         self.rediscover()
-        for key in list(self.watched):
+        for key in sorted(self.watched, key=lambda k: self._started.get(k, float("-inf"))):
             fut = self._running.get(key)
-            if fut is not None and not fut.done():
-                continue
-            self._running[key] = self._pool.submit(self._tick_one, key)
+            if fut is None or fut.done():
+                fut = self._workers.submit(self._tick_one, key)
+                if fut is not None:
+                    self._running[key] = fut
+                    self._started[key] = time.monotonic()
+                    continue
+            with self._lock:
+                tracker = self.trackers.get(key)
+                if tracker is not None:
+                    tracker.skipped()
 
     def _tick_one(self, key: object) -> None:
         try:
@@ -143,13 +261,19 @@ class Watcher:
         verdict = classify(Bundle(w.manifest("captured by wedgectl watch"), window, w.log_tail(fresh=esc.full)))
         with self._lock:
             tracker = self.trackers.setdefault(key, Tracker(w.name))
+            if tracker.last_evaluation is None:
+                tracker.name = w.name  # named from its first sample's model, never after
             changed = tracker.observe(verdict, sample.t, queue_of(window))
             esc.update(window, verdict.verdict)
         if changed is None:
             return
         if changed.open:
             # The onset capture takes seconds: off the tick, so this target's looks go on meanwhile.
-            self._recording[key] = self._pool.submit(self._onset, w, tracker, changed)
+            recording = self._recorders.submit(self._onset, w, tracker, changed)
+            if recording is None:  # every recorder busy: the start line goes out without a bundle
+                self._emit("start", changed)
+            else:
+                self._recording[key] = recording
         else:
             self._ended(key, tracker, changed)
 
@@ -179,8 +303,8 @@ class Watcher:
                               scrape_timeout_s=self.options.scrape_timeout_s)
         before = w.bundle("captured by wedgectl watch at an episode's onset", log_bytes=BUNDLE_LOG_BYTES, fresh_log=True)
         try:
-            now = capture(pid=w.pid, url=None if w.pid else w.deployment.base_url,
-                          log_path=w.deployment.log_path, options=opts)
+            # no log_path: capture finds the log through the process again, and reads it through its fd
+            now = capture(pid=w.pid, url=None if w.pid else w.deployment.base_url, options=opts)
             bundle = Bundle(replace(now.manifest, notes=before.manifest.notes + now.manifest.notes),
                             before.samples + now.samples, now.log_lines or before.log_lines)
         except WedgectlError as exc:
@@ -189,7 +313,7 @@ class Watcher:
         bundle = replace(bundle, verdict=classify(bundle))
         try:
             return str(save_onset(bundle, self.options.bundle_dir, w.name, ep.verdict.value, self.options.rotation))
-        except OSError as exc:
+        except (OSError, WedgectlError) as exc:  # UnwritableOutput: the directory is no longer ours alone
             with self._lock:
                 self.failures[("recorder", "error")] += 1
             self.say(f"{w.name}: bundle not saved: {exc}")
@@ -200,7 +324,7 @@ class Watcher:
             self.emit(line)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing is joined: the workers are daemon threads, each abandoned where it is."""
         for w in list(self.watched.values()):
             w.close()
 
@@ -208,11 +332,12 @@ class Watcher:
 
     def snapshot(self) -> Snapshot:
         with self._lock:
-            views = tuple(self.trackers[k].view(w.deployment.base_url, w.pid, self.escalations[k].full)
+            views = tuple(self.trackers[k].view(w.deployment.base_url, w.pid, self.escalations[k].full,
+                                                kept_bytes=w.kept_bytes, budget_exceeded=w.budget_exceeded)
                           for k, w in self.watched.items() if k in self.trackers)
             return Snapshot(time.time(), self.options.grace_s, views, dict(self.failures))
 
-    def close(self, wait_s: float = 5.0) -> None:
+    def close(self, wait_s: float = EXIT_WAIT_S) -> None:
         """Let the ticks under way finish (each is bounded), for at most wait_s."""
         wait([*self._running.values(), *self._recording.values()], timeout=wait_s)
 
@@ -221,11 +346,15 @@ def run_watch(options: WatchOptions, stop: threading.Event, emit: Callable[[str]
               say: Callable[[str], None], max_s: float | None = None) -> int:
     """Serve and watch until stop is set (SIGTERM, SIGINT) or max_s passes. Raises WedgectlError for
     a bad --pid/--url and OSError when --listen cannot be bound."""
+    if options.bundle_dir is not None:
+        check_bundle_dir(options.bundle_dir)  # UnwritableOutput: refused before anything starts
     watcher = Watcher(options, emit, say)
     watcher.connect_explicit()
-    endpoint = Endpoint(options.listen, watcher.snapshot).start()
-    say(f"serving http://{endpoint.address}/metrics, /livez and /v1/targets; every {options.interval_s:g}s, "
+    endpoint = Endpoint(options.listen, watcher.snapshot, options.web_config).start()
+    say(f"serving {endpoint.url}: {endpoint.paths}; every {options.interval_s:g}s, "
         f"grace {options.grace_s:g}s, bundles {options.bundle_dir or 'not saved (no --bundle-dir)'}")
+    if endpoint.exposure is not None:
+        say(f"warning: {endpoint.exposure}")
     start = time.monotonic()
     try:
         while not stop.is_set():

@@ -1,18 +1,36 @@
-"""What `watch` serves: Prometheus metrics (a prometheus_client Collector), /livez and /v1/targets."""
+"""What `watch` serves: Prometheus metrics (a prometheus_client Collector), /livez and /v1/targets.
+
+Who may read it. /v1/targets carries what took ptrace rights to collect (stacks, paths, pids of other
+users' servers): it is served on a loopback address, or behind a web config that authenticates
+(--web-config-file, the Prometheus exporter-toolkit's format that node_exporter reads: TLS and
+bcrypt basic auth). Elsewhere it answers 403, and `watch` says so at start. With basic_auth_users,
+every path asks for them, as the exporter-toolkit does.
+"""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import ipaddress
 import json
+import os
+import re
+import socket
+import ssl
+import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from wedgectl import __version__
+from wedgectl.redact import printable
 from wedgectl.types import VerdictKind
 from wedgectl.watch.state import HANG_CLASSES, TargetView
 
@@ -55,7 +73,17 @@ class WatchCollector(Collector):
                                        labels=["target", "verdict"])
         last = GaugeMetricFamily("wedgectl_last_evaluation_timestamp_seconds",
                                  "Unix time of the target's last evaluation.", labels=["target"])
+        stale = GaugeMetricFamily("wedgectl_target_stale", "1 while the target's last tick was skipped (its evaluation "
+                                  "before still ran, or no worker was free): its verdict is old.", labels=["target"])
+        kept = GaugeMetricFamily("wedgectl_kept_sample_bytes", "Bytes the target's kept samples take (estimated).",
+                                 labels=["target"])
+        budget = CounterMetricFamily("wedgectl_budget_exceeded", "Times the target's kept samples went over its "
+                                     "byte budget (--target-budget-mb, --total-budget-mb) and were trimmed.",
+                                     labels=["target"])
         for v in snap.targets:
+            stale.add_metric([v.name], 1.0 if v.stale else 0.0)
+            kept.add_metric([v.name], float(v.kept_bytes))
+            budget.add_metric([v.name], float(v.budget_exceeded))
             if v.verdict is None:
                 continue
             for kind in VerdictKind:
@@ -72,7 +100,7 @@ class WatchCollector(Collector):
             failures.add_metric([collector, kind], float(n))
         build = InfoMetricFamily("wedgectl_build", "The wedgectl that answers.", value={"version": __version__})
         targets = GaugeMetricFamily("wedgectl_targets", "Deployments under watch.", value=len(snap.targets))
-        yield from (verdict, confidence, state, episodes, last, failures, build, targets)
+        yield from (verdict, confidence, state, episodes, last, failures, build, targets, stale, kept, budget)
 
 
 def make_registry(snapshot: Callable[[], Snapshot]) -> CollectorRegistry:
@@ -89,18 +117,222 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a bound address is a loopback one (127.0.0.0/8, ::1, ::ffff:127.x); 0.0.0.0 and :: are not."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+# --- --web-config-file ----------------------------------------------------------------------------
+
+WEB_CONFIG_MAX_BYTES = 64 << 10
+_BCRYPT = re.compile(r"\$2[abxy]?\$\d\d\$[./A-Za-z0-9]{53}")
+_TLS_VERSIONS = {"TLS10": ssl.TLSVersion.TLSv1, "TLS11": ssl.TLSVersion.TLSv1_1, "TLS12": ssl.TLSVersion.TLSv1_2,
+                 "TLS13": ssl.TLSVersion.TLSv1_3}
+_CLIENT_AUTH = {"NoClientCert": ssl.CERT_NONE, "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
+                "RequireAndVerifyClientCert": ssl.CERT_REQUIRED}
+_TLS_KEYS = {"cert_file", "key_file", "client_ca_file", "client_auth_type", "min_version", "max_version"}
+
+
+class WebConfigError(ValueError):
+    """A --web-config-file that cannot be used as written; the message is one line."""
+
+
+class BasicAuth:
+    """basic_auth_users: user -> bcrypt hash. A pair that passed once is remembered (by a SHA-256 of it),
+    so a scrape every few seconds costs no bcrypt; the bcrypt checks run one at a time, so a flood of
+    wrong passwords takes one core at most; an unknown user costs a bcrypt too (no timing tells users apart)."""
+
+    def __init__(self, users: Mapping[str, str]) -> None:
+        self.users = {u: h.encode() for u, h in users.items()}
+        self._decoy = next(iter(self.users.values()))
+        self._passed: set[bytes] = set()
+        self._lock = threading.Lock()
+
+    def check(self, user: str, password: str) -> bool:
+        import bcrypt
+
+        key = hashlib.sha256(b"\0".join((user.encode(), password.encode(), self.users.get(user, b"")))).digest()
+        if key in self._passed:
+            return True
+        with self._lock:
+            try:
+                ok = bcrypt.checkpw(password.encode(), self.users.get(user, self._decoy)) and user in self.users
+            except ValueError:  # over bcrypt's 72 bytes: no hash takes it
+                ok = False
+            if ok:
+                if len(self._passed) >= 64:
+                    self._passed.clear()
+                self._passed.add(key)
+        return ok
+
+
+@dataclass(frozen=True)
+class WebConfig:
+    """What a --web-config-file says, ready to serve with: a TLS context, the basic-auth users."""
+
+    path: str
+    tls: ssl.SSLContext | None = None
+    auth: BasicAuth | None = None
+    client_certs: bool = False  # client_auth_type RequireAndVerifyClientCert: only holders of a CA-signed cert
+
+    @property
+    def authenticates(self) -> bool:
+        """Whether a reader must prove who it is (a password or a client certificate)."""
+        return self.auth is not None or self.client_certs
+
+
+def _owned_file(path: Path, what: str, max_bytes: int | None = None) -> bytes | None:
+    """A regular file only its owner (root or this user) can change; its bytes when max_bytes is given."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise WebConfigError(f"{what} {path}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise WebConfigError(f"{what} {path}: not a regular file")
+        if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
+            raise WebConfigError(f"{what} {path}: another user can change it (owner uid {st.st_uid}, "
+                                 f"mode {stat.S_IMODE(st.st_mode):o}); make it the owner's alone")
+        if max_bytes is None:
+            return None
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise WebConfigError(f"{what} {path}: larger than {max_bytes >> 10} KiB")
+    return data
+
+
+def load_web_config(path: str | os.PathLike[str]) -> WebConfig:
+    """Read a web config in the Prometheus exporter-toolkit's format (node_exporter's --web.config.file):
+
+        tls_server_config: {cert_file: F, key_file: F, client_ca_file: F, client_auth_type: T,
+                            min_version: TLS12, max_version: TLS13}
+        basic_auth_users: {USER: BCRYPT_HASH, ...}
+
+    Relative file names are taken from the config's own directory, as the exporter-toolkit does. The
+    file, and the files it names, must be changeable by their owner (root or this user) alone: whoever
+    could edit it could let themselves in. Anything else in it is refused, not ignored. Raises
+    WebConfigError."""
+    import yaml
+
+    file = Path(path)
+    raw = _owned_file(file, "web config", WEB_CONFIG_MAX_BYTES)
+    try:
+        doc = yaml.safe_load(raw or b"")
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise WebConfigError(f"web config {file}: not YAML{where}") from None
+    doc = {} if doc is None else doc
+    if not isinstance(doc, dict):
+        raise WebConfigError(f"web config {file}: expected a mapping at the top")
+    unknown = sorted(map(str, set(doc) - {"tls_server_config", "basic_auth_users"}))
+    if unknown:
+        raise WebConfigError(f"web config {file}: {', '.join(unknown)} not supported "
+                             "(wedgectl reads tls_server_config and basic_auth_users)")
+    tls, client_certs = _tls_context(file, doc.get("tls_server_config"))
+    users = doc.get("basic_auth_users")
+    if users is not None:
+        if not isinstance(users, dict) or not users:
+            raise WebConfigError(f"web config {file}: basic_auth_users must map each user to a bcrypt hash")
+        for user, hashed in users.items():
+            if not isinstance(user, str) or not user or ":" in user:
+                raise WebConfigError(f"web config {file}: basic_auth_users: {printable(str(user))!r} "
+                                     "is not a user name")
+            if not isinstance(hashed, str) or not _BCRYPT.fullmatch(hashed):
+                raise WebConfigError(f"web config {file}: basic_auth_users: {printable(user)}: not a bcrypt hash "
+                                     "(make one with `htpasswd -nBC 10 USER`)")
+    return WebConfig(str(file), tls, BasicAuth(users) if users else None, client_certs)
+
+
+def _tls_context(file: Path, tls: object) -> tuple[ssl.SSLContext | None, bool]:
+    if tls is None:
+        return None, False
+    if not isinstance(tls, dict):
+        raise WebConfigError(f"web config {file}: tls_server_config must be a mapping")
+    unknown = sorted(map(str, set(tls) - _TLS_KEYS))
+    if unknown:
+        raise WebConfigError(f"web config {file}: tls_server_config: {', '.join(unknown)} not supported "
+                             f"(wedgectl reads {', '.join(sorted(_TLS_KEYS))})")
+
+    def named(key: str) -> Path | None:
+        value = tls.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value:
+            raise WebConfigError(f"web config {file}: tls_server_config: {key} must be a file name")
+        where = file.parent / value
+        _owned_file(where, key)
+        return where
+
+    cert, key, ca = named("cert_file"), named("key_file"), named("client_ca_file")
+    if cert is None or key is None:
+        raise WebConfigError(f"web config {file}: tls_server_config needs cert_file and key_file")
+    auth_type = tls.get("client_auth_type") or ("RequireAndVerifyClientCert" if ca else "NoClientCert")
+    if auth_type not in _CLIENT_AUTH:
+        raise WebConfigError(f"web config {file}: client_auth_type {printable(str(auth_type))!r} not supported "
+                             f"(one of {', '.join(_CLIENT_AUTH)})")
+    if _CLIENT_AUTH[auth_type] != ssl.CERT_NONE and ca is None:
+        raise WebConfigError(f"web config {file}: client_auth_type {auth_type} needs client_ca_file")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        for bound, attr in (("min_version", "minimum_version"), ("max_version", "maximum_version")):
+            version = tls.get(bound, "TLS12" if bound == "min_version" else None)
+            if version is not None:
+                if version not in _TLS_VERSIONS:
+                    raise WebConfigError(f"web config {file}: {bound} {printable(str(version))!r}: "
+                                         f"one of {', '.join(_TLS_VERSIONS)}")
+                setattr(ctx, attr, _TLS_VERSIONS[version])
+        ctx.load_cert_chain(cert, key)
+        if ca is not None:
+            ctx.load_verify_locations(cafile=ca)
+    except (ssl.SSLError, OSError) as exc:
+        raise WebConfigError(f"web config {file}: TLS: {printable(str(exc))}") from None
+    ctx.verify_mode = _CLIENT_AUTH[auth_type]
+    return ctx, auth_type == "RequireAndVerifyClientCert"
+
+
+# --- the server -----------------------------------------------------------------------------------
+
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 16
 
-    def __init__(self, address: tuple[str, int], snapshot: Callable[[], Snapshot]) -> None:
-        import socket
-
+    def __init__(self, address: tuple[str, int], snapshot: Callable[[], Snapshot], web: WebConfig | None) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.snapshot = snapshot
         self.registry = make_registry(snapshot)
+        self.web = web
         super().__init__(address, _Handler)
+        self.loopback = is_loopback(str(self.server_address[0]))
+        # the bound address decides, not the peer's: a proxy on loopback would make every peer look local
+        self.targets_served = self.loopback or (web is not None and web.authenticates)
+
+    def finish_request(self, request: socket.socket, client_address: Any) -> None:  # type: ignore[override]
+        """TLS: the handshake runs in the connection's own thread, bounded, never in the accepting one
+        (a client that stalls it would stop every other)."""
+        if self.web is None or self.web.tls is None:
+            super().finish_request(request, client_address)
+            return
+        request.settimeout(HANDSHAKE_TIMEOUT_S)
+        try:
+            conn = self.web.tls.wrap_socket(request, server_side=True)
+        except (OSError, ValueError):
+            return  # no TLS, a bad certificate, a stall: the connection just ends
+        try:
+            super().finish_request(conn, client_address)
+        finally:
+            conn.close()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -109,23 +341,48 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        if not self._authorized():
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", 'Basic realm="wedgectl"')
+            self.send_header("Content-Type", "text/plain; charset=utf-8")
+            self.send_header("Content-Length", "13")
+            self.end_headers()
+            self.wfile.write(b"unauthorized\n")
+            return
         if path == "/metrics":
             self._send(200, CONTENT_TYPE_LATEST, generate_latest(self.server.registry))
         elif path == "/livez":
             snap = self.server.snapshot()
             failing = snap.failing
             if failing:
-                body = "".join(f"{v.name}: {v.verdict.verdict.value if v.verdict else '?'} for "
-                               f"{snap.t - (v.hang_since or snap.t):.0f}s (grace {snap.grace_s:.0f}s)\n" for v in failing)
+                body = "".join(f"{printable(v.name)}: {v.verdict.verdict.value if v.verdict else '?'} for "
+                               f"{snap.t - (v.hang_since or snap.t):.0f}s (grace {snap.grace_s:.0f}s)\n"
+                               for v in failing)
                 self._send(503, "text/plain; charset=utf-8", body.encode())
             else:
                 self._send(200, "text/plain; charset=utf-8", b"ok\n")
+        elif path == "/v1/targets" and not self.server.targets_served:
+            self._send(403, "text/plain; charset=utf-8", TARGETS_REFUSED.encode())
         elif path == "/v1/targets":
             self._send(200, "application/json", json.dumps(self.server.snapshot().targets_json(), default=str).encode())
         elif path == "/":
-            self._send(200, "text/plain; charset=utf-8", b"wedgectl watch: /metrics /livez /v1/targets\n")
+            paths = "/metrics /livez /v1/targets" if self.server.targets_served else "/metrics /livez"
+            self._send(200, "text/plain; charset=utf-8", f"wedgectl watch: {paths}\n".encode())
         else:
             self._send(404, "text/plain; charset=utf-8", b"not found\n")
+
+    def _authorized(self) -> bool:
+        auth = self.server.web.auth if self.server.web is not None else None
+        if auth is None:
+            return True
+        scheme, _, credentials = (self.headers.get("Authorization") or "").strip().partition(" ")
+        if scheme.lower() != "basic":
+            return False
+        try:
+            user, sep, password = base64.b64decode(credentials.strip(), validate=True).decode().partition(":")
+        except (ValueError, UnicodeDecodeError):  # binascii.Error is a ValueError
+            return False
+        return bool(sep) and auth.check(user, password)
 
     def _send(self, status: int, ctype: str, body: bytes) -> None:
         self.send_response(status)
@@ -138,11 +395,15 @@ class _Handler(BaseHTTPRequestHandler):
         pass  # a scrape every few seconds is not news
 
 
+TARGETS_REFUSED = ("/v1/targets is served only on a loopback address, or behind a --web-config-file "
+                   "that authenticates (basic_auth_users or client certificates)\n")
+
+
 class Endpoint:
     """The HTTP server on --listen, in a daemon thread; close() stops it."""
 
-    def __init__(self, listen: str, snapshot: Callable[[], Snapshot]) -> None:
-        self.server = _Server(parse_listen(listen), snapshot)
+    def __init__(self, listen: str, snapshot: Callable[[], Snapshot], web: WebConfig | None = None) -> None:
+        self.server = _Server(parse_listen(listen), snapshot, web)
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.5},
                                        name="wedgectl-watch-http", daemon=True)
 
@@ -150,6 +411,31 @@ class Endpoint:
     def address(self) -> str:
         host, port = self.server.server_address[:2]
         return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+    @property
+    def url(self) -> str:
+        tls = self.server.web is not None and self.server.web.tls is not None
+        return f"{'https' if tls else 'http'}://{self.address}"
+
+    @property
+    def paths(self) -> str:
+        """What is served, for the start line."""
+        return "/metrics, /livez and /v1/targets" if self.server.targets_served else "/metrics and /livez"
+
+    @property
+    def exposure(self) -> str | None:
+        """A warning when what is served reaches beyond this host unprotected; None on loopback."""
+        web = self.server.web
+        if self.server.loopback:
+            return None
+        if web is None or not web.authenticates:
+            return (f"{self.address} is not a loopback address and nothing asks who reads it (no --web-config-file "
+                    "with basic_auth_users or client certificates): /metrics and /livez (target names, models, "
+                    "verdicts) are open to whoever reaches it; /v1/targets (stacks, paths, pids) is not served there")
+        if web.tls is None:
+            return (f"{self.address} is not a loopback address and {web.path} has no tls_server_config: "
+                    "basic-auth passwords and /v1/targets cross the network in clear")
+        return None
 
     def start(self) -> Endpoint:
         self.thread.start()

@@ -69,6 +69,9 @@ class TargetView:
     escalated: bool
     episodes: tuple[Episode, ...]
     episodes_total: dict[VerdictKind, int] = field(default_factory=dict)
+    stale: bool = False  # its last tick was skipped: the evaluation before still ran, or no worker was free
+    kept_bytes: int = 0  # what its kept samples take (estimated), within its budget
+    budget_exceeded: int = 0  # times its kept samples went over its byte budget and were trimmed
 
     @property
     def hang_since(self) -> float | None:
@@ -94,7 +97,8 @@ class TargetView:
             "evidence": to_jsonable(v.evidence) if v else [],
             "since": iso(self.since), "state_seconds": round(self.state_seconds(now), 1),
             "last_evaluation": iso(self.last_evaluation), "escalated": self.escalated,
-            "live": not self.failing_liveness(now, grace_s),
+            "live": not self.failing_liveness(now, grace_s), "stale": self.stale,
+            "kept_bytes": self.kept_bytes, "budget_exceeded": self.budget_exceeded,
             "episodes": [e.to_json(now) for e in self.episodes],
         })
 
@@ -110,6 +114,13 @@ class Tracker:
         self.last_evaluation: float | None = None
         self.episodes: deque[Episode] = deque(maxlen=EPISODE_HISTORY)
         self.totals: Counter[VerdictKind] = Counter()
+        self.stale = False  # a tick was skipped since the last evaluation
+        self.skips = 0  # ticks skipped, all told
+
+    def skipped(self) -> None:
+        """A tick passed this target by (its last evaluation still ran, or no worker was free)."""
+        self.stale = True
+        self.skips += 1
 
     @property
     def current(self) -> Episode | None:
@@ -118,7 +129,7 @@ class Tracker:
     def observe(self, verdict: Verdict, now: float, queue: float | None = None) -> Episode | None:
         if self.verdict is None or verdict.verdict is not self.verdict.verdict:
             self.since = now
-        self.verdict, self.last_evaluation = verdict, now
+        self.verdict, self.last_evaluation, self.stale = verdict, now, False
         kind, ep = verdict.verdict, self.current
         if ep is None:
             if not is_hang(kind):
@@ -149,9 +160,10 @@ class Tracker:
             if e.start == episode.start and e.target == episode.target:
                 self.episodes[i] = replace(e, bundle=path)
 
-    def view(self, url: str | None, pid: int | None, escalated: bool) -> TargetView:
+    def view(self, url: str | None, pid: int | None, escalated: bool, kept_bytes: int = 0,
+             budget_exceeded: int = 0) -> TargetView:
         return TargetView(self.name, url, pid, self.verdict, self.since, self.last_evaluation, escalated,
-                          tuple(self.episodes), dict(self.totals))
+                          tuple(self.episodes), dict(self.totals), self.stale, kept_bytes, budget_exceeded)
 
 
 # ---------------------------------------------------------------- escalation

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -11,14 +12,15 @@ from urllib.parse import urlsplit
 
 from wedgectl import __version__
 from wedgectl.collect import processes, procfs, procread
-from wedgectl.collect.scrape import Scraper
+from wedgectl.collect.scrape import Scraper, failure_kind
 from wedgectl.discover import Deployment, discover, tree_roles
 from wedgectl.errors import WedgectlError
+from wedgectl.judged import judged_sample
 from wedgectl.metrics import JUDGED_SERIES, MetricsParseError, parse_metrics
 from wedgectl.sampler import SamplerOptions, take_sample
 from wedgectl.sources import host_facts, read_log_lines
 from wedgectl.tui.source import find_servers
-from wedgectl.types import Bundle, CollectorFailure, FailureKind, Manifest, ProcessSample, Sample, Target
+from wedgectl.types import Bundle, CollectorFailure, FailureKind, Manifest, MetricsScrape, ProcessSample, Sample, Target
 
 KEEP_S = 120.0  # evidence kept per target: the "before" of an onset bundle
 CLASSIFY_S = 30.0  # the verdict rests on the last 30 s: longer than any rule's frozen threshold
@@ -28,6 +30,9 @@ BUNDLE_LOG_BYTES = 4 << 20
 LOG_EVERY_S = 30.0  # re-read the log tail this often while healthy; every tick when escalated
 ROLES_EVERY_S = 60.0  # cheap ticks walk the process tree again this often
 _LOOPBACK = {"127.0.0.1", "::1", "localhost", "0.0.0.0", "::", ""}
+DEFAULT_BUDGET = 8 << 20  # a target's kept samples, in bytes, until the watcher shares out its own
+SAMPLE_OVERHEAD = 1024  # a kept sample's own objects, beside its page text (an estimate)
+MIN_KEPT = 1  # the newest sample is always kept (its page text may not be)
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,31 @@ def host_deployments() -> list[int]:
     return [s.pid for s in find_servers()]
 
 
+def parse_users(text: str) -> frozenset[int]:
+    """--users: 'root,alice,1000' -> their uids. ValueError for an unknown name or a bad uid."""
+    import pwd
+
+    uids = set()
+    for item in text.split(","):
+        item = item.strip()
+        if item.isdigit() and item.isascii() and len(item) <= 10 and int(item) < 2**32 - 1:
+            uids.add(int(item))
+            continue
+        try:
+            uids.add(pwd.getpwnam(item).pw_uid)
+        except (KeyError, ValueError):
+            raise ValueError(f"--users: no such user {item[:40]!r}") from None
+    return frozenset(uids)
+
+
+def sample_bytes(sample: Sample) -> int:
+    """What a kept sample takes, estimated: its page text (the bulk: up to a whole /metrics page)
+    and a fixed allowance for the rest, a few hundred bytes per process and stack dump."""
+    text = sample.metrics.text if sample.metrics is not None else None
+    n = SAMPLE_OVERHEAD + (sys.getsizeof(text) if text else 0)
+    return n + 256 * len(sample.processes) + 4096 * len(sample.stacks)
+
+
 class Watched:
     """One deployment under watch: its rolling window of samples and the log tail. Its sample()
     blocks (HTTP, /proc, py-spy, each bounded); the daemon calls it from a worker thread."""
@@ -108,6 +138,10 @@ class Watched:
         # A cheap tick's, all day: the series the verdicts read (metrics.JUDGED_SERIES), a
         # twentieth of vLLM's page for the server to write and for the watcher to parse.
         self._cheap = Scraper(series=JUDGED_SERIES)
+        self.budget_bytes = 0
+        self.kept_bytes = 0  # sample_bytes of the kept samples
+        self.budget_exceeded = 0  # times the kept samples went over the budget and were trimmed
+        self.set_budget(DEFAULT_BUDGET)
         if deployment.api_pid is not None:
             try:
                 self.model = served_model(procread.read_cmdline(deployment.api_pid))
@@ -155,9 +189,43 @@ class Watched:
             if self.model and not self.samples:  # named before its first evaluation, never after
                 self.name = target_name(self.node, self.deployment.base_url, self.model, self.deployment.root_pid)
         self.samples.append(s)
+        self.kept_bytes += sample_bytes(s)
         while self.samples and s.t - self.samples[0].t > KEEP_S:
-            self.samples.popleft()
-        return s
+            self.kept_bytes -= sample_bytes(self.samples.popleft())
+        if self.kept_bytes > self.budget_bytes:
+            self.budget_exceeded += 1
+            self._trim()
+        return self.samples[-1]
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """The bytes its kept samples may take; a page bigger than that is not even read (bad_data)."""
+        self.budget_bytes = budget_bytes
+        page = max(0, budget_bytes - SAMPLE_OVERHEAD - 4096)
+        self._scraper.max_bytes = self._cheap.max_bytes = page
+
+    def _trim(self) -> None:
+        """Back within the budget: the older samples' pages made lean (what the classifier reads:
+        no comments, no histogram buckets), then the oldest samples dropped, then the newest
+        sample's page itself, made lean and, if it is still too big, let go."""
+        for i in range(len(self.samples) - 1):
+            if self.kept_bytes <= self.budget_bytes:
+                return
+            self._replace(i, judged_sample(self.samples[i]))
+        while len(self.samples) > MIN_KEPT and self.kept_bytes > self.budget_bytes:
+            self.kept_bytes -= sample_bytes(self.samples.popleft())
+        if self.kept_bytes > self.budget_bytes:
+            self._replace(-1, judged_sample(self.samples[-1]))
+        if self.kept_bytes > self.budget_bytes:
+            m = self.samples[-1].metrics
+            if m is not None and m.text is not None:
+                self._replace(-1, replace(self.samples[-1], metrics=MetricsScrape(
+                    t=m.t, url=m.url, status=m.status, elapsed_s=m.elapsed_s,
+                    error=f"{FailureKind.BAD_DATA.value}: a page of {len(m.text)} characters is over the "
+                          f"{self.budget_bytes}-byte budget of the target's kept samples")))
+
+    def _replace(self, i: int, sample: Sample) -> None:
+        self.kept_bytes += sample_bytes(sample) - sample_bytes(self.samples[i])
+        self.samples[i] = sample
 
     def _cheap_sample(self, options: SamplerOptions) -> Sample:
         """/metrics and /proc/PID/stat of the processes known: what a healthy server costs us. The
@@ -178,8 +246,8 @@ class Watched:
                                        cpu_user_s=stat.utime_s, cpu_system_s=stat.stime_s, num_threads=stat.num_threads))
         metrics = self._cheap.metrics(d.metrics_url, options.scrape_timeout_s) if d.metrics_url else None
         if metrics is not None and not metrics.ok:
-            failures.append(CollectorFailure("metrics", FailureKind.UNREACHABLE, metrics.error or f"HTTP {metrics.status}",
-                                             d.metrics_url or ""))
+            failures.append(CollectorFailure("metrics", failure_kind(metrics.error),
+                                             metrics.error or f"HTTP {metrics.status}", d.metrics_url or ""))
         return Sample(t=t, metrics=metrics, processes=tuple(procs), failures=tuple(failures))
 
     def close(self) -> None:
@@ -194,13 +262,13 @@ class Watched:
 
     def log_tail(self, fresh: bool = False, max_bytes: int = LIVE_LOG_BYTES) -> tuple[str, ...]:
         """The server log's tail, re-read at most every LOG_EVERY_S unless fresh."""
-        path = self.deployment.log_path
-        if not path:
+        log = self.deployment.log  # read through the process's descriptor, never by the path it shows
+        if log is None:
             return ()
         if not fresh and max_bytes == LIVE_LOG_BYTES and time.monotonic() - self._log_read < LOG_EVERY_S:
             return self._log
         try:
-            lines = read_log_lines(path, max_bytes=max_bytes)[0]
+            lines = read_log_lines(log, max_bytes=max_bytes)[0]
         except WedgectlError:
             lines = ()
         if max_bytes == LIVE_LOG_BYTES:

@@ -1,0 +1,45 @@
+"""The ranges a number given to wedgectl must lie in: every numeric option, and every time in a bundle.
+
+nan compares false with everything and inf passes any lower bound, so a check written `x <= 0`
+lets both through: a window of nan or inf never ends, an interval of nan busy-loops, a grace of
+nan keeps /livez from ever failing, and a bundle time of 1e18 breaks the date formatting of a
+report (issue 33). One function decides, for the command line (wedgectl/cli.py, probes/_tool.py)
+and the bundle reader (wedgectl/bundle.py) alike; it never raises.
+"""
+
+from __future__ import annotations
+
+import math
+
+# pid_t. Linux's own ceiling (PID_MAX_LIMIT) is 4194304; a pid between the host's pid_max and this
+# is a well-formed pid that names no process ("no such process"), one past it is a usage error.
+MAX_PID = (1 << 31) - 1
+DAY_S = 86400.0  # the longest window, interval, timeout or grace an option takes
+YEAR_S = 365 * DAY_S  # watch --max-seconds
+MAX_COUNT = 1_000_000  # counts: bundles kept, refreshes between stacks
+MAX_MIB = float(1 << 20)  # sizes in MiB: 1 TiB
+PROBE_WINDOW_S = 300.0  # a probe run's longest window (wedgectl.collect.ebpf.MAX_WINDOW_S)
+PROBE_MAX_ENTRIES = 1 << 20  # entries per BPF map (the collector clamps to this)
+
+# Times in a bundle. 0 is a time not recorded (the model's default); the ceiling is the year 5138.
+MAX_UNIX_TIME = 1e11
+# Durations in a bundle (a process's cumulative CPU seconds included): 3,000 years of one CPU.
+MAX_DURATION_S = 1e11
+
+
+def in_range(value: float, lo: float, hi: float, *, above: bool = False) -> bool:
+    """value is a finite number with lo <= value <= hi (lo < value with above)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return (value > lo if above else value >= lo) and value <= hi
+
+
+def describe(lo: float, hi: float, *, above: bool = False) -> str:
+    """The range in words, as in_range checks it: '> 0 and <= 86400'."""
+    return f"{'>' if above else '>='} {_number(lo)} and <= {_number(hi)}"
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
