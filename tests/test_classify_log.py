@@ -45,15 +45,51 @@ def test_seed003_shutdown_without_finish_is_shutdown_hang():
 
 
 def test_engine_dead_log():
-    v = verdict_of("engine_dead_hand.log")
-    assert v.verdict is VerdictKind.ENGINE_DEAD
-    assert "shared memory broadcast" in v.evidence[0].what
+    # Recorded (tests/fixtures/bundles/record_engine_dead.py): the EngineCore SIGKILLed while serving; the
+    # API server printed EngineDeadError and answered the requests after it with 500.
+    lines = (LOGS / "engine_dead.log").read_text().splitlines()
+    v = verdict_of("engine_dead.log")
+    assert v.verdict is VerdictKind.ENGINE_DEAD and v.rule == "log_engine_dead"
+    assert "EngineDeadError" in v.evidence[0].what
+    assert "EngineDeadError" in lines[v.evidence[0].values["line"] - 1]
+    # killed, not hung first: no shared-memory warning to cite
+    assert not any("shared memory broadcast" in e.what for e in v.evidence)
 
 
-def test_draining_queue_is_progressing():
-    v = verdict_of("progressing_hand.log")
-    assert v.verdict is VerdictKind.PROGRESSING
+def test_engine_dead_log_cut_before_the_kill_is_progressing(tmp_path):
+    # The same server's log up to its last stats line before the death: it was serving.
+    lines = (LOGS / "engine_dead.log").read_text().splitlines()
+    dead_at = next(i for i, line in enumerate(lines) if "EngineDeadError" in line)
+    last_stats = max(i for i, line in enumerate(lines[:dead_at]) if "loggers.py" in line)
+    cut = tmp_path / "cut.log"
+    cut.write_text("\n".join(lines[:last_stats + 1]) + "\n")
+    assert classify(bundle_from_log(cut)).verdict is VerdictKind.PROGRESSING
+    # progressing.log is that server's log too, copied a moment before the kill
+    served = (LOGS / "progressing.log").read_text().splitlines()
+    assert lines[:len(served)] == served and len(served) <= dead_at
+
+
+def test_engine_dead_log_cites_the_shared_memory_warnings_before_it():
+    # The engine-dead rule on a real log where a worker stopped answering first (the collective-hold run
+    # left to its RPC timeout; classify names the timeout, a rule earlier in the list).
+    from wedgectl.classify import LOG_RULES, Facts
+
+    rule = next(r for r in LOG_RULES if r.name == "log_engine_dead")
+    lines = (LOGS / "collective-hang-timeout.log").read_text().splitlines()
+    v = rule(Facts(bundle_from_log(LOGS / "collective-hang-timeout.log")))
+    assert v is not None and v.verdict is VerdictKind.ENGINE_DEAD
+    warned = [i for i, line in enumerate(lines, 1) if "No available shared memory broadcast block" in line]
+    assert v.evidence[0].what.startswith(f"{len(warned)} 'No available shared memory broadcast block' warning(s)")
+    assert v.evidence[0].values["line"] == warned[0]
+
+
+def test_queued_requests_being_served_are_progressing():
+    # Recorded: six clients on two sequence slots (--max-num-seqs 2), copied with the load still on.
+    v = verdict_of("progressing.log")
+    assert v.verdict is VerdictKind.PROGRESSING and v.rule == "log_progressing"
     assert v.confidence > 0.5
+    last = v.evidence[0].values
+    assert last["running"] == 2 and last["waiting"] >= 1 and last["gen_tokens_per_s"] > 0
 
 
 def test_seed000_truncated_to_one_line_is_not_starved(tmp_path):

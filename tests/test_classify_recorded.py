@@ -29,6 +29,7 @@ EXPECTED = {
     "engine-deadlock": VerdictKind.ENGINE_DEADLOCK,
     "shutdown-hang": VerdictKind.SHUTDOWN_HANG,
     "starved": VerdictKind.STARVED,
+    "engine-dead": VerdictKind.ENGINE_DEAD,  # recorded by record_engine_dead.py, not a repro
 }
 
 
@@ -103,6 +104,36 @@ def test_starved_evidence():
     f = v.facts
     assert f["waiting"] == 3 and f["running"] == 1
     assert f["tokens_per_s"] > 0 and f["kv_growth_pct_per_min"] > 0
+
+
+def test_engine_dead_evidence():
+    # The EngineCore SIGKILLed while six clients were served (record_engine_dead.py): the API server
+    # lives on, listening, answering /health with 503 and every request with 500.
+    b = load("engine-dead")
+    v, f = classify(b), Facts(b)
+    api = f.api_server
+    assert v.rule == "live_engine_dead" and v.confidence == confidence.ENGINE_DEAD_LIVE
+    assert api is not None and api.pid == b.manifest.target.pid and api.listening
+    assert f.engine_core is None and f.last_health == 503
+    whats = [e.what for e in v.evidence]
+    assert whats[0] == f"API server pid {api.pid} alive, listening on {', '.join(api.listening)}; no EngineCore process"
+    assert "GET /health answered 503" in whats
+    dead = [e for e in v.evidence if e.source == "log"]
+    assert dead and "EngineDeadError" in b.log_lines[dead[0].values["line"] - 1]
+
+
+def test_engine_dead_stands_on_the_503_or_on_the_missing_engine_and_its_log():
+    b = load("engine-dead")
+    unanswered = replace(b, samples=tuple(replace(s, health_status=None, health_error="refused") for s in b.samples))
+    undying = tuple(line for line in b.log_lines if "EngineDeadError" not in line)
+    # either half alone still says the engine died, and cites only what is there
+    for half in (unanswered, replace(b, log_lines=undying)):
+        v = classify(half)
+        assert v.verdict is VerdictKind.ENGINE_DEAD and v.rule == "live_engine_dead"
+        assert ("GET /health answered 503" in [e.what for e in v.evidence]) == (half is not unanswered)
+        assert any(e.source == "log" for e in v.evidence) == (half is unanswered)
+    # neither: no EngineCore beside a listening API server is not enough
+    assert classify(replace(unanswered, log_lines=undying)).verdict is not VerdictKind.ENGINE_DEAD
 
 
 def test_healthy_is_not_starved_or_stuck():

@@ -70,7 +70,7 @@ def test_the_issue_line_of_400_kb_redacts_in_well_under_a_second():
 
 def test_diagnose_of_a_log_with_that_line_saves_its_bundle_quickly(tmp_path):
     """The whole path the issue timed (57 s): diagnose --log F --save-bundle B, in a child process."""
-    fixture = Path(__file__).parent / "fixtures" / "logs" / "progressing_hand.log"
+    fixture = Path(__file__).parent / "fixtures" / "logs" / "progressing.log"
     log = tmp_path / "server.log"
     log.write_text(fixture.read_text() + "INFO 01-01 00:00:00 x.py:1] " + ("a: [" + "x" * 30) * 12_000 + "\n")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
