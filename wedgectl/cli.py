@@ -155,22 +155,48 @@ def _output_problem(path: Path, *, new: bool) -> str | None:
 
 @app.command()
 def diagnose(
-    pid: Annotated[Optional[int], typer.Option("--pid", callback=_pid, help="Any pid of the vLLM deployment (API server, EngineCore, Worker).")] = None,
-    url: Annotated[Optional[str], typer.Option("--url", callback=_url, help="The server's base URL, e.g. http://127.0.0.1:8000 (metrics only without --pid).")] = None,
+    pid: Annotated[Optional[int],
+                   typer.Option("--pid", callback=_pid,
+                                help="Any pid of the vLLM deployment (API server, EngineCore, Worker).")] = None,
+    url: Annotated[Optional[str],
+                   typer.Option("--url", callback=_url,
+                                help="The server's base URL, e.g. http://127.0.0.1:8000 "
+                                     "(metrics only without --pid).")] = None,
     # readable=False on input paths: click would refuse an unreadable one with the usage code (2); the
     # readers refuse it, and FIFOs and devices, with one line and exit 21 (README, exit codes)
     log: Annotated[Optional[Path], typer.Option("--log", help="A vLLM server log file.", readable=False)] = None,
-    bundle: Annotated[Optional[Path], typer.Option("--bundle", help="Re-classify a saved evidence bundle (directory or .tar.gz).", readable=False)] = None,
-    window: Annotated[float, typer.Option("--window", callback=_seconds, help="Seconds to sample a live server (stops early once certain; runs on to twice this while the server answers too few scrapes to measure a rate).")] = 6.0,
-    interval: Annotated[float, typer.Option("--interval", callback=_seconds, help="Seconds between live samples.")] = 1.0,
-    save_bundle: Annotated[Optional[Path], typer.Option("--save-bundle", callback=_new_output, help="Write the evidence to this directory or .tar.gz.")] = None,
-    native: Annotated[bool, typer.Option("--native", help="Native stacks too (py-spy pauses the target briefly).")] = False,
+    bundle: Annotated[Optional[Path],
+                      typer.Option("--bundle", help="Re-classify a saved evidence bundle (directory or .tar.gz).",
+                                   readable=False)] = None,
+    window: Annotated[float,
+                      typer.Option("--window", callback=_seconds,
+                                   help="Seconds to sample a live server (stops early once certain; runs on to twice "
+                                        "this while the server answers too few scrapes to measure a rate).")] = 6.0,
+    interval: Annotated[float,
+                        typer.Option("--interval", callback=_seconds, help="Seconds between live samples.")] = 1.0,
+    save_bundle: Annotated[Optional[Path],
+                           typer.Option("--save-bundle", callback=_new_output,
+                                        help="Write the evidence to this directory or .tar.gz.")] = None,
+    native: Annotated[bool,
+                      typer.Option("--native", help="Native stacks too (py-spy pauses the target briefly).")] = False,
     no_stacks: Annotated[bool, typer.Option("--no-stacks", help="Do not run py-spy.")] = False,
-    ebpf: Annotated[ProbeMode, typer.Option("--ebpf", help="Trace futex waits/wakes and off-CPU time per thread (rawtp, else bcc, else bpftrace, else /proc; see `wedgectl probes`): auto attaches them when metrics, /proc and stacks leave a parked engine open; on, for the whole window.")] = ProbeMode.AUTO,
+    ebpf: Annotated[ProbeMode,
+                    typer.Option("--ebpf",
+                                 help="Trace futex waits/wakes and off-CPU time per thread (rawtp, else bcc, else "
+                                      "bpftrace, else /proc; see `wedgectl probes`): auto attaches them when "
+                                      "metrics, /proc and stacks leave a parked engine open; on, for the "
+                                      "whole window.")] = ProbeMode.AUTO,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
-    low_priority: Annotated[bool, typer.Option("--low-priority/--same-priority", help="Sample a live server at nice +5 and idle I/O priority, below the server (py-spy and probes inherit it).")] = True,
-    urgent: Annotated[bool, typer.Option("--urgent", help="Sample a live server above its priority, to answer fast on a saturated host: in a session of its own with autogroup nice -10 where autogroup applies, else at nice -10 (root). Takes its ~0.3 CPU s from the server at once.")] = False,
+    low_priority: Annotated[bool,
+                            typer.Option("--low-priority/--same-priority",
+                                         help="Sample a live server at nice +5 and idle I/O priority, below the server "
+                                              "(py-spy and probes inherit it).")] = True,
+    urgent: Annotated[bool,
+                      typer.Option("--urgent",
+                                   help="Sample a live server above its priority, to answer fast on a saturated host: "
+                                        "in a session of its own with autogroup nice -10 where autogroup applies, else "
+                                        "at nice -10 (root). Takes its ~0.3 CPU s from the server at once.")] = False,
 ) -> None:
     """Classify a hang from a live server, a log, or a saved bundle.
 
@@ -200,9 +226,11 @@ def diagnose(
     if pid is None and url is None:
         from wedgectl.sources import bundle_from_log
 
+        assert log is not None  # a source was given, and it is not --bundle
         b = bundle_from_log(log)
     else:
-        from wedgectl.sampler import SamplerOptions, capture, fatal_problem, lower_priority, raise_priority, restore_priority
+        from wedgectl.sampler import (SamplerOptions, capture, fatal_problem, lower_priority, raise_priority,
+                                      restore_priority)
 
         say = None if quiet or as_json and not sys.stderr.isatty() else _progress
         urgent_note = None
@@ -241,7 +269,7 @@ def diagnose(
 
     b = replace(b, verdict=verdict)
     saved = str(write_bundle(b, save_bundle)) if save_bundle is not None else None
-    extra = {"source": b.manifest.source, "bundle": saved, "collector_failures": failure_summary(b)}
+    extra: dict[str, Any] = {"source": b.manifest.source, "bundle": saved, "collector_failures": failure_summary(b)}
     if b.manifest.target.pid is not None:
         extra["pid"] = b.manifest.target.pid
     if b.manifest.target.url is not None:
@@ -261,13 +289,21 @@ def diagnose(
 
 @app.command()
 def repro(
-    name: Annotated[Optional[str], typer.Argument(help="The repro to run (see --list), or a path to a .toml config.")] = None,
+    name: Annotated[Optional[str],
+                    typer.Argument(help="The repro to run (see --list), or a path to a .toml config.")] = None,
     list_: Annotated[bool, typer.Option("--list", help="List the bundled repros.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the diagnosis object plus expected, pid and url.")] = False,
+    as_json: Annotated[bool,
+                       typer.Option("--json", help="Print the diagnosis object plus expected, pid and url.")] = False,
     keep: Annotated[bool, typer.Option("--keep", help="Leave the hung server running; print its pid and URL.")] = False,
-    patched: Annotated[bool, typer.Option("--patched", help="Run with the engine plugin's fixes on and check that nothing hangs; exit 0 only then.")] = False,
-    python: Annotated[Optional[str], typer.Option("--python", help="Use this vLLM environment's python instead of the managed runtime.")] = None,
-    out: Annotated[Optional[Path], typer.Option("--out", help="Folder for the bundle, server log and client results.")] = None,
+    patched: Annotated[bool,
+                       typer.Option("--patched",
+                                    help="Run with the engine plugin's fixes on and check that nothing hangs; exit 0 "
+                                         "only then.")] = False,
+    python: Annotated[Optional[str],
+                      typer.Option("--python",
+                                   help="Use this vLLM environment's python instead of the managed runtime.")] = None,
+    out: Annotated[Optional[Path],
+                   typer.Option("--out", help="Folder for the bundle, server log and client results.")] = None,
     window: Annotated[float, typer.Option("--window", callback=_seconds, help="Diagnosis window in seconds.")] = 6.0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
 ) -> None:
@@ -302,14 +338,29 @@ def repro(
 
 @app.command()
 def top(
-    pid: Annotated[Optional[int], typer.Option("--pid", callback=_pid, help="Any pid of the vLLM deployment to watch.")] = None,
-    url: Annotated[Optional[str], typer.Option("--url", callback=_url, help="The server's base URL (metrics only without --pid).")] = None,
-    bundle: Annotated[Optional[Path], typer.Option("--bundle", help="Replay a saved evidence bundle in the same view.", readable=False)] = None,
+    pid: Annotated[Optional[int],
+                   typer.Option("--pid", callback=_pid, help="Any pid of the vLLM deployment to watch.")] = None,
+    url: Annotated[Optional[str],
+                   typer.Option("--url", callback=_url,
+                                help="The server's base URL (metrics only without --pid).")] = None,
+    bundle: Annotated[Optional[Path],
+                      typer.Option("--bundle", help="Replay a saved evidence bundle in the same view.",
+                                   readable=False)] = None,
     refresh: Annotated[float, typer.Option("--refresh", callback=_seconds, help="Seconds between samples.")] = 2.0,
-    stacks_every: Annotated[int, typer.Option("--stacks-every", callback=_count, help="py-spy stacks on every Nth refresh while the verdict is not healthy (d/D take them at once).")] = 5,
-    stacks_quiet: Annotated[float, typer.Option("--stacks-quiet", callback=_seconds, help="Seconds between py-spy stacks while the verdict is healthy (idle or progressing): a dump costs ~10 ms of CPU a process.")] = 60.0,
-    save_dir: Annotated[Path, typer.Option("--save-dir", callback=_output_dir, help="Folder for bundles saved with the s key.")] = Path("."),
-    low_priority: Annotated[bool, typer.Option("--low-priority/--same-priority", help="Run at nice +5 and idle I/O priority, below the server.")] = True,
+    stacks_every: Annotated[int,
+                            typer.Option("--stacks-every", callback=_count,
+                                         help="py-spy stacks on every Nth refresh while the verdict is not healthy "
+                                              "(d/D take them at once).")] = 5,
+    stacks_quiet: Annotated[float,
+                            typer.Option("--stacks-quiet", callback=_seconds,
+                                         help="Seconds between py-spy stacks while the verdict is healthy (idle or "
+                                              "progressing): a dump costs ~10 ms of CPU a process.")] = 60.0,
+    save_dir: Annotated[Path,
+                        typer.Option("--save-dir", callback=_output_dir,
+                                     help="Folder for bundles saved with the s key.")] = Path("."),
+    low_priority: Annotated[bool,
+                            typer.Option("--low-priority/--same-priority",
+                                         help="Run at nice +5 and idle I/O priority, below the server.")] = True,
 ) -> None:
     """Watch a vLLM deployment and its verdict live; with no target, pick one of the servers found here.
 
@@ -323,6 +374,7 @@ def top(
         from wedgectl.sampler import lower_priority
 
         lower_priority()
+    source: BundleSource | LiveSource | None
     if bundle is not None:
         source = BundleSource.load(bundle)
     elif pid is not None or url is not None:
@@ -334,11 +386,22 @@ def top(
 
 @app.command()
 def probes(
-    pid: Annotated[Optional[int], typer.Option("--pid", callback=_pid, help="Run the probes on this pid and its descendants.")] = None,
-    seconds: Annotated[float, typer.Option("--seconds", callback=_within(0, bounds.PROBE_WINDOW_S, above=True), help="How long to trace with --pid.")] = 5.0,
-    backend: Annotated[ProbeBackend, typer.Option("--backend", help="Force a back-end (default: the best this host supports).")] = ProbeBackend.AUTO,
-    pylocks: Annotated[bool, typer.Option("--pylocks", help="Also time blocking Python lock acquires (uprobe on libpython; every Python process on the host pays for it).")] = False,
-    verify: Annotated[bool, typer.Option("--verify", help="Compile and attach a trial program per back-end (slower, surer).")] = False,
+    pid: Annotated[Optional[int],
+                   typer.Option("--pid", callback=_pid, help="Run the probes on this pid and its descendants.")] = None,
+    seconds: Annotated[float,
+                       typer.Option("--seconds", callback=_within(0, bounds.PROBE_WINDOW_S, above=True),
+                                    help="How long to trace with --pid.")] = 5.0,
+    backend: Annotated[ProbeBackend,
+                       typer.Option("--backend",
+                                    help="Force a back-end "
+                                         "(default: the best this host supports).")] = ProbeBackend.AUTO,
+    pylocks: Annotated[bool,
+                       typer.Option("--pylocks",
+                                    help="Also time blocking Python lock acquires (uprobe on libpython; every Python "
+                                         "process on the host pays for it).")] = False,
+    verify: Annotated[bool,
+                      typer.Option("--verify",
+                                   help="Compile and attach a trial program per back-end (slower, surer).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
 ) -> None:
@@ -348,7 +411,8 @@ def probes(
     while the program was attaching).
 
     Exit status: 0 an eBPF back-end can run (or, with --pid, the probe reported);
-    3 only the /proc fallback is available; 5 --pid is gone; 6 the probe failed.
+    3 only the /proc fallback is available; 5 --pid is gone; 6 the probe reported nothing (a forced
+    --backend fell back to /proc).
     """
     from wedgectl import probes as programs
     from wedgectl.bundle import to_jsonable
@@ -383,26 +447,49 @@ def probes(
             typer.echo(line)
         for f in failures:
             typer.echo(f"could not: {f.kind.value}: {f.message}"[:200], err=True)
-    raise typer.Exit(programs.EXIT_OK if records else programs.EXIT_FAILED)
+    # as the probe tools (probes/_tool.py): a forced eBPF back-end that fell back to /proc reported nothing;
+    # a Ctrl-C during its attach is the user's own end of the window (the /proc results, exit 0)
+    header = records[0] if records else None
+    fell_back = header is not None and backend.value in ebpfhost.EBPF_BACKENDS and header.backend != backend.value
+    if header is None or (fell_back and not _interrupted):
+        why = "the probes reported nothing" if header is None else \
+            f"{backend.value} reported nothing; the results above are /proc's"
+        typer.echo(f"wedgectl: {why}", err=True)
+        raise typer.Exit(programs.EXIT_FAILED)
+    raise typer.Exit(programs.EXIT_OK)
 
 
 @app.command()
 def swap(
-    pid: Annotated[int, typer.Option("--pid", callback=_pid, help="Any pid of the running vLLM deployment (API server, EngineCore, Worker).")],
+    pid: Annotated[int,
+                   typer.Option("--pid", callback=_pid,
+                                help="Any pid of the running vLLM deployment (API server, EngineCore, Worker).")],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and touch nothing.")] = False,
-    health_timeout: Annotated[float, typer.Option("--health-timeout", callback=_seconds, help="Seconds to wait for the new server's /health.")] = 600.0,
-    stop_grace: Annotated[float, typer.Option("--stop-grace", callback=_within(0, bounds.DAY_S), help="Seconds between SIGTERM and SIGKILL for the old server.")] = 15.0,
+    health_timeout: Annotated[float,
+                              typer.Option("--health-timeout", callback=_seconds,
+                                           help="Seconds to wait for the new server's /health.")] = 600.0,
+    stop_grace: Annotated[float,
+                          typer.Option("--stop-grace", callback=_within(0, bounds.DAY_S),
+                                       help="Seconds between SIGTERM and SIGKILL for the old server.")] = 15.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (secrets redacted).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Swap even though a supervisor (systemd, Kubernetes, a container runtime, supervisord) runs the server.")] = False,
+    force: Annotated[bool,
+                     typer.Option("--force",
+                                  help="Swap even though a supervisor (systemd, Kubernetes, a container runtime, "
+                                       "supervisord) runs the server.")] = False,
 ) -> None:
     """Hot-swap a running vLLM server for the same command with the wedge_engine fixes on, same port.
 
-    Stops the old tree (SIGTERM, then SIGKILL), starts its command with WEDGE_ENGINE_FIXES=all, waits for /health and reports the downtime; if the patched server never gets healthy the original command is started again. Secrets are never printed.
+    Stops the old tree (SIGTERM, then SIGKILL), starts its command with WEDGE_ENGINE_FIXES=all, waits for /health and
+    reports the downtime; if the patched server never gets healthy the original command is started again. Secrets are
+    never printed.
 
-    The server's interpreter, pip and the new server run as the server's user; --dry-run runs nothing of the server's. SIGINT, SIGTERM or SIGHUP during the swap roll back to the original command.
+    The server's interpreter, pip and the new server run as the server's user; --dry-run runs nothing of the server's.
+    SIGINT, SIGTERM or SIGHUP during the swap roll back to the original command.
 
-    Exit status: 0 swapped (or --dry-run); 43 the swap failed (rolled back where it could); 44 refused: the server's interpreter or site-packages is writable by another user; 45 refused: a supervisor runs the server (--force overrides); 130 interrupted (rolled back).
+    Exit status: 0 swapped (or --dry-run); 43 the swap failed (rolled back where it could); 44 refused: the server's
+    interpreter or site-packages is writable by another user; 45 refused: a supervisor runs the server (--force
+    overrides); 130 interrupted (rolled back).
     """
     from wedgectl.render import render_swap
     from wedgectl.swap import swap_deployment
@@ -417,23 +504,54 @@ def swap(
 
 @app.command()
 def watch(
-    pid: Annotated[Optional[list[int]], typer.Option("--pid", callback=_pid, help="A pid of a vLLM deployment to watch (repeatable).")] = None,
-    url: Annotated[Optional[list[str]], typer.Option("--url", callback=_url, help="A server's base URL to watch, metrics only (repeatable).")] = None,
-    listen: Annotated[str, typer.Option("--listen", help="HOST:PORT serving /metrics and /livez; /v1/targets too on a loopback address or behind --web-config-file.")] = "127.0.0.1:9464",
-    web_config_file: Annotated[Optional[Path], typer.Option("--web-config-file", help="TLS and basic auth for every path, in the Prometheus exporter-toolkit's format (node_exporter's --web.config.file).")] = None,
-    bundle_dir: Annotated[Optional[Path], typer.Option("--bundle-dir", help="Save an evidence bundle here at each episode's onset.")] = None,
-    bundle_keep: Annotated[int, typer.Option("--bundle-keep", callback=_count, help="Onset bundles kept in --bundle-dir (oldest deleted first).")] = 50,
-    bundle_max_mb: Annotated[float, typer.Option("--bundle-max-mb", callback=_within(0, bounds.MAX_MIB, above=True), help="MiB all onset bundles may take together.")] = 512.0,
-    grace: Annotated[float, typer.Option("--grace", callback=_within(0, bounds.DAY_S), help="Seconds in a hang class before /livez answers 503.")] = 120.0,
-    interval: Annotated[float, typer.Option("--interval", callback=_seconds, help="Seconds between looks at each server.")] = 5.0,
-    ebpf: Annotated[ProbeMode, typer.Option("--ebpf", help="Probes in the capture taken at an episode's onset.")] = ProbeMode.AUTO,
+    pid: Annotated[Optional[list[int]],
+                   typer.Option("--pid", callback=_pid,
+                                help="A pid of a vLLM deployment to watch (repeatable).")] = None,
+    url: Annotated[Optional[list[str]],
+                   typer.Option("--url", callback=_url,
+                                help="A server's base URL to watch, metrics only (repeatable).")] = None,
+    listen: Annotated[str,
+                      typer.Option("--listen",
+                                   help="HOST:PORT serving /metrics and /livez; /v1/targets too on a loopback address "
+                                        "or behind --web-config-file.")] = "127.0.0.1:9464",
+    web_config_file: Annotated[Optional[Path],
+                               typer.Option("--web-config-file",
+                                            help="TLS and basic auth for every path, in the Prometheus "
+                                                 "exporter-toolkit's format "
+                                                 "(node_exporter's --web.config.file).")] = None,
+    bundle_dir: Annotated[Optional[Path],
+                          typer.Option("--bundle-dir",
+                                       help="Save an evidence bundle here at each episode's onset.")] = None,
+    bundle_keep: Annotated[int,
+                           typer.Option("--bundle-keep", callback=_count,
+                                        help="Onset bundles kept in --bundle-dir (oldest deleted first).")] = 50,
+    bundle_max_mb: Annotated[float,
+                             typer.Option("--bundle-max-mb", callback=_within(0, bounds.MAX_MIB, above=True),
+                                          help="MiB all onset bundles may take together.")] = 512.0,
+    grace: Annotated[float,
+                     typer.Option("--grace", callback=_within(0, bounds.DAY_S),
+                                  help="Seconds in a hang class before /livez answers 503.")] = 120.0,
+    interval: Annotated[float,
+                        typer.Option("--interval", callback=_seconds,
+                                     help="Seconds between looks at each server.")] = 5.0,
+    ebpf: Annotated[ProbeMode,
+                    typer.Option("--ebpf", help="Probes in the capture taken at an episode's onset.")] = ProbeMode.AUTO,
     as_json: Annotated[bool, typer.Option("--json", help="Episodes as JSON lines.")] = False,
-    max_seconds: Annotated[Optional[float], typer.Option("--max-seconds", callback=_within(0, bounds.YEAR_S, above=True), help="Stop after this long (tests, benchmarks).")] = None,
+    max_seconds: Annotated[Optional[float],
+                           typer.Option("--max-seconds", callback=_within(0, bounds.YEAR_S, above=True),
+                                        help="Stop after this long (tests, benchmarks).")] = None,
     users: Annotated[Optional[str], typer.Option("--users", help="Host mode: adopt only servers run by these users "
-                                                 "(names or uids, comma-separated; default: root and the user watch runs as).")] = None,
-    max_targets: Annotated[int, typer.Option("--max-targets", callback=_count, help="Host mode: adopt at most this many servers.")] = 64,
-    target_budget_mb: Annotated[float, typer.Option("--target-budget-mb", callback=_within(0.0625, bounds.MAX_MIB), help="MiB each server's kept samples may take.")] = 8.0,
-    total_budget_mb: Annotated[float, typer.Option("--total-budget-mb", callback=_within(0.0625, bounds.MAX_MIB), help="MiB all servers' kept samples may take.")] = 256.0,
+                                                 "(names or uids, comma-separated; default: root and the user watch "
+                                                 "runs as).")] = None,
+    max_targets: Annotated[int,
+                           typer.Option("--max-targets", callback=_count,
+                                        help="Host mode: adopt at most this many servers.")] = 64,
+    target_budget_mb: Annotated[float,
+                                typer.Option("--target-budget-mb", callback=_within(0.0625, bounds.MAX_MIB),
+                                             help="MiB each server's kept samples may take.")] = 8.0,
+    total_budget_mb: Annotated[float,
+                               typer.Option("--total-budget-mb", callback=_within(0.0625, bounds.MAX_MIB),
+                                            help="MiB all servers' kept samples may take.")] = 256.0,
 ) -> None:
     """Classify every vLLM server continuously; serve the verdicts to Prometheus and liveness probes.
 
@@ -522,7 +640,8 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False,
+    version: Annotated[bool,
+                       typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False,
 ) -> None:
     """Tell apart the ways a vLLM server hangs while looking healthy."""
 
@@ -535,8 +654,9 @@ def _one_line(message: str) -> str:
     return f"{lines[0]} ... {lines[-1]}"[:400]
 
 
-def _usage_line(exc: Exception) -> str:
-    """A usage error in one line, as every other bad input is: the problem, then where help is."""
+def _usage_line(exc: Any) -> str:
+    """A usage error (click's UsageError, as typer vendors it) in one line, as every other bad input is:
+    the problem, then where help is."""
     ctx = getattr(exc, "ctx", None)
     hint = f" (see '{ctx.command_path} -h')" if ctx is not None else ""
     return _one_line(exc.format_message())[:400] + hint
@@ -574,7 +694,7 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Abort:
         sys.exit(130)
     except Exception as exc:  # click's usage errors (typer vendors click) and anything unexpected
-        if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):
+        if hasattr(exc, "show") and hasattr(exc, "exit_code") and isinstance(exc.exit_code, int):
             if exc.exit_code == exitcodes.USAGE and type(exc).__name__ != "NoArgsIsHelpError":
                 print(redact_text(f"wedgectl: {_usage_line(exc)}"), file=sys.stderr)  # the value may be a URL's token
             else:
@@ -582,6 +702,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(exc.exit_code)
         if os.environ.get("WEDGECTL_DEBUG"):
             raise
-        print(redact_text(f"wedgectl: internal error: {type(exc).__name__}: {exc} (WEDGECTL_DEBUG=1 shows the traceback)"),
+        print(redact_text(f"wedgectl: internal error: {type(exc).__name__}: {exc} (WEDGECTL_DEBUG=1 shows the "
+                          "traceback)"),
               file=sys.stderr)
         sys.exit(exitcodes.INTERNAL)

