@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Measure what the wedge_engine fixes cost: the same workload on stock and patched vLLM servers, side by side in one run.
+"""Measure what the wedge_engine fixes cost: the same workload on stock and patched vLLM servers, side by side in
+one run.
 
 The workload is C client threads sending the same completion back to back
 (temperature 0, ignore_eos, fixed max_tokens) for a phase of S seconds after a

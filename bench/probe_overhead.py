@@ -350,7 +350,8 @@ def account_line(a: dict | None, bound: float | None = None) -> str:
     if a is None:
         return "kernel's count: not available"
     with_switch = f"; at the switch cost, {bound:.4f}" if bound is not None else ""
-    return (f"kernel's count ({a['programs']} program{'s' if a['programs'] != 1 else ''}): {a['runs_per_s']:,.0f} runs/s x "
+    return (f"kernel's count ({a['programs']} program{'s' if a['programs'] != 1 else ''}): {a['runs_per_s']:,.0f} "
+            "runs/s x "
             f"{a['ns_per_run']:.0f} ns = {a['ms_per_s']:.1f} ms/s, {100 * a['cost']:.2f} % of the workload's CPU "
             f"(accounted ratio {1 - a['cost']:.4f}{with_switch})")
 
@@ -446,7 +447,8 @@ def print_storm(args: argparse.Namespace, switch_rate: float, rows: list) -> Non
 
 
 def vllm_rows(args: argparse.Namespace, configs: list[tuple[str, tuple[str, ...]]]) -> tuple[str, list]:
-    """Start the managed runtime's tiny model, keep it busy with streams, measure tokens/s with and without each probe."""
+    """Start the managed runtime's tiny model, keep it busy with streams, measure tokens/s with and without each
+    probe."""
     import tempfile
 
     import httpx

@@ -232,7 +232,8 @@ def main() -> int:
                   f"waited for a cpu {row['median_cpu_wait_s']:5.2f} s", flush=True)
             if "urgent_median_s" in row:
                 print(f"{'':<16} --urgent: verdicts {','.join(row['urgent_verdicts'])} "
-                      f"wall {row['urgent_median_s']:5.2f} s  waited for a cpu {row['urgent_median_cpu_wait_s']:5.2f} s",
+                      f"wall {row['urgent_median_s']:5.2f} s  "
+                      f"waited for a cpu {row['urgent_median_cpu_wait_s']:5.2f} s",
                       flush=True)
     cores = psutil.cpu_count() or 1
     if args.json:
@@ -245,14 +246,17 @@ def main() -> int:
           f"  {'warm CPU s':>10} {'warm s':>7} {'right':>6}  load")
     for r in rows:
         goal = f"{r['goal_s']:.1f}" if r["goal_s"] is not None else "-"
-        print(f"{r['name']:<16} {r['median_s']:>9.2f} {goal:>7} {r['median_cpu_wait_s']:>9.2f} {r['median_cpu_s']:>13.2f} "
-              f"{GOAL_CPU_S:>5.1f} {r['right']:>3}/{r['runs']:<2}  {r['warm_median_cpu_s']:>10.2f} {r['warm_median_s']:>7.2f} "
+        print(f"{r['name']:<16} {r['median_s']:>9.2f} {goal:>7} {r['median_cpu_wait_s']:>9.2f} "
+              f"{r['median_cpu_s']:>13.2f} "
+              f"{GOAL_CPU_S:>5.1f} {r['right']:>3}/{r['runs']:<2}  {r['warm_median_cpu_s']:>10.2f} "
+              f"{r['warm_median_s']:>7.2f} "
               f"{r['warm_right']:>3}/{r['runs']:<2}  {r['load_avg']:.1f} on {cores} cores")
     print("warm: the same diagnose run in one process that imported wedgectl once (what `wedgectl watch`'s "
           "onset capture pays); the one-shot CPU less the warm CPU is the start-up's share")
     if args.urgent:
         print()
-        print(f"diagnose --urgent, each run right after one of the above (autogroup {'on' if autogroup_on() else 'off'}):")
+        print("diagnose --urgent, each run right after one of the above (autogroup "
+              f"{'on' if autogroup_on() else 'off'}):")
         print(f"{'config':<16} {'median s':>9} {'waited s':>9} {'right':>6}  {'default/urgent':>14}")
         for r in rows:
             ratio = r["median_s"] / r["urgent_median_s"] if r["urgent_median_s"] else float("nan")

@@ -183,7 +183,8 @@ def tree_cpu(pids: tuple[int, ...]) -> float:
     return total
 
 
-def measure(url: str, load: Load, seconds: float, top: Top, with_top: bool, target: tuple[int, ...]) -> tuple[float, float]:
+def measure(url: str, load: Load, seconds: float, top: Top, with_top: bool, target: tuple[int, ...]) -> tuple[float,
+                                                                                                              float]:
     """(tokens/s, tokens per CPU second of the server's processes) over one phase."""
     (top.on if with_top else top.off)()
     time.sleep(0.5)  # let a tick that was cut by SIGSTOP finish before counting
@@ -249,7 +250,8 @@ def main() -> int:
     cores = psutil.cpu_count() or 1
     print()
     print(f"load: {args.clients} closed-loop clients, max_tokens {args.max_tokens}; top: {args.mode}, "
-          f"refresh {args.refresh:g} s, {'same priority as the server' if args.same_priority else 'nice +5'}; {args.rounds} rounds (ABBA) of 2 x {args.phase_s:.0f} s; "
+          f"refresh {args.refresh:g} s, {'same priority as the server' if args.same_priority else 'nice +5'}; "
+          f"{args.rounds} rounds (ABBA) of 2 x {args.phase_s:.0f} s; "
           f"load average at the end {psutil.getloadavg()[0]:.1f} on {cores} cores")
     print(f"{'':12} {'tokens/s':>9} {'tokens per server CPU s':>24}")
     print(f"{'without top':12} {statistics.mean(without):9.1f} {statistics.mean(eff_a):24.1f}")
@@ -264,7 +266,8 @@ def main() -> int:
     print(f"wedgectl top CPU, never stopped: {continuous_cpu:.2f} s over {continuous_s:.0f} s = "
           f"{cont:.2f} % of one core, {cont / cores:.2f} % of the machine (py-spy included)")
     print(f"{'figure':34} {'measured':>9} {'goal':>6}")
-    print(f"{'top CPU, % of one core':34} {cont:9.2f} {'<= 1':>6}   (refresh {args.refresh:g} s, {args.mode}, never stopped)")
+    print(f"{'top CPU, % of one core':34} {cont:9.2f} {'<= 1':>6}   (refresh {args.refresh:g} s, {args.mode}, never "
+          "stopped)")
     print(f"{'serving throughput ratio':34} {med:9.4f} {'>= 0.99':>6}")
     print(f"client errors: {load.errors}; server log: {log}")
     return 0

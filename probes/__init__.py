@@ -29,5 +29,6 @@ def load_probe(name: str) -> ModuleType:
     return importlib.import_module(f"wedgectl.probes.{name}")
 
 
-__all__ = ["ALL_PROBES", "DEFAULT_MIN_WAIT_MS", "DEFAULT_PROBES", "EXIT_FAILED", "EXIT_GONE", "EXIT_NO_BACKEND", "EXIT_OK",
+__all__ = ["ALL_PROBES", "DEFAULT_MIN_WAIT_MS", "DEFAULT_PROBES", "EXIT_FAILED", "EXIT_GONE", "EXIT_NO_BACKEND",
+           "EXIT_OK",
            "EXIT_PERMISSION", "EXIT_USAGE", "load_probe"]

@@ -9,7 +9,8 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from wedgectl import bounds
-from wedgectl.probes import DEFAULT_MIN_WAIT_MS, EXIT_FAILED, EXIT_GONE, EXIT_NO_BACKEND, EXIT_OK, EXIT_PERMISSION, EXIT_USAGE
+from wedgectl.probes import (DEFAULT_MIN_WAIT_MS, EXIT_FAILED, EXIT_GONE, EXIT_NO_BACKEND, EXIT_OK, EXIT_PERMISSION,
+                             EXIT_USAGE)
 
 MAX_WINDOW_S = bounds.PROBE_WINDOW_S
 PLACEHOLDER_LIB = "/path/to/libpython3.X.so"  # --ebpf without a python target still shows the uprobe
@@ -49,7 +50,8 @@ def _pids(text: str) -> list[int]:
 
 
 def parser(prog: str, summary: str, epilog: str) -> argparse.ArgumentParser:
-    """-p/--pid, -d/--duration, --min-wait-ms, --backend, --max-entries, --no-children, --json, and the hidden --ebpf."""
+    """-p/--pid, -d/--duration, --min-wait-ms, --backend, --max-entries, --no-children, --json, and the hidden
+    --ebpf."""
     p = _Parser(prog=prog, description=summary, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-p", "--pid", required=True, type=_pids,
                    help="pid(s) to trace, comma-separated; each one's descendants are traced too")

@@ -86,7 +86,8 @@ def table(maps: Maps, name: str) -> dict[Any, Any]:
 
 
 def pair(value: Any) -> tuple[int, int]:
-    """A (start, address) map value as ints; (0, 0) when absent or of another shape (bpftrace prints a tuple as a list)."""
+    """A (start, address) map value as ints; (0, 0) when absent or of another shape (bpftrace prints a tuple as a
+    list)."""
     if isinstance(value, (list, tuple)) and len(value) >= 2:
         try:
             return int(value[0]), int(value[1])

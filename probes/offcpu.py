@@ -38,7 +38,8 @@ NAME = "offcpu"
 SUMMARY = "on-CPU, blocked (off-CPU) and run-queue time per thread over the window"
 TRACEPOINTS = ("sched:sched_switch",)
 OFFCPU_OVERHEAD = ("runs on target switch-outs only: futex storm, ~400k switches/s on 2 loaded vCPUs, "
-                   "throughput ratio (paired) 0.99 on rawtp, 0.92-0.93 on bpftrace; serving vLLM (tiny model, 4 streams): 0.92-1.11 "
+                   "throughput ratio (paired) 0.99 on rawtp, 0.92-0.93 on bpftrace; serving vLLM (tiny model, 4 "
+                   "streams): 0.92-1.11 "
                    "on a host whose untraced rounds swung 3x; bench/probe_overhead.py --each --vllm")
 OVERHEAD = OFFCPU_OVERHEAD
 MAPS = ("oc_out", "oc_nblocked", "oc_blocked_ns")

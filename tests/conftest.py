@@ -1,6 +1,14 @@
-"""Shared test helpers: fixture paths, and the SIGINT disposition the Ctrl-C tests need."""
+"""Shared test helpers: fixture paths, the SIGINT disposition the Ctrl-C tests need, and the skip policy
+of a strict run (WEDGECTL_STRICT_SKIPS=1, as .ci/run and the README's test command set it)."""
 
+from __future__ import annotations
+
+import os
+import re
 import signal
+import tomllib
+from collections.abc import Generator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,3 +26,105 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 @pytest.fixture
 def fixtures() -> Path:
     return FIXTURES
+
+
+# --- the skip policy -----------------------------------------------------------------------------------
+# With WEDGECTL_STRICT_SKIPS=1 a run fails (exit 1) on any skip whose reason matches no entry of
+# tests/skips.toml, and lists those skips last; the allowed ones still show under -rs. Unset (or 0),
+# nothing changes: a developer's partial run is not failed for the tools their machine lacks.
+
+STRICT_ENV = "WEDGECTL_STRICT_SKIPS"
+ALLOW_LIST = Path(__file__).parent / "skips.toml"
+
+
+@dataclass(frozen=True)
+class AllowedSkip:
+    reason: re.Pattern[str]
+    why: str
+
+
+def load_allowed(path: Path = ALLOW_LIST) -> tuple[AllowedSkip, ...]:
+    """The allow-list's entries; ValueError (one line, naming the file) on a file that is not one."""
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    entries = doc.get("allow")
+    if not isinstance(entries, list) or set(doc) != {"allow"}:
+        raise ValueError(f"{path}: expected only [[allow]] tables, each with `reason` and `why`")
+    out = []
+    for n, entry in enumerate(entries, 1):
+        if not isinstance(entry, dict) or set(entry) != {"reason", "why"}:
+            raise ValueError(f"{path}: [[allow]] #{n} must have exactly `reason` and `why`")
+        reason, why = entry["reason"], entry["why"]
+        if not (isinstance(why, str) and why.strip() and "\n" not in why):
+            raise ValueError(f"{path}: [[allow]] #{n}: `why` must be one non-empty line")
+        try:
+            out.append(AllowedSkip(re.compile(reason), why))
+        except (re.error, TypeError) as exc:
+            raise ValueError(f"{path}: [[allow]] #{n}: `reason` is not a regex: {exc}") from None
+    return tuple(out)
+
+
+def skip_reason(report: pytest.CollectReport | pytest.TestReport) -> str:
+    """What a skip says, as -rs prints it (without pytest's "Skipped: " prefix)."""
+    longrepr = report.longrepr
+    text = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return text.removeprefix("Skipped: ")
+
+
+class SkipPolicy:
+    """Records every skip of the run; at its end, fails it on those the allow-list does not name."""
+
+    def __init__(self, allowed: tuple[AllowedSkip, ...], source: Path) -> None:
+        self.allowed = allowed
+        self.source = source
+        self.skips: list[tuple[str, str]] = []  # (node id, reason)
+        try:
+            self.shown = str(source.relative_to(Path.cwd()))
+        except ValueError:
+            self.shown = str(source)
+
+    def unexpected(self) -> list[tuple[str, str]]:
+        return [(node, why) for node, why in self.skips if not any(a.reason.match(why) for a in self.allowed)]
+
+    def _record(self, report: pytest.CollectReport | pytest.TestReport) -> None:
+        if report.skipped and not hasattr(report, "wasxfail"):
+            self.skips.append((report.nodeid, skip_reason(report)))
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self._record(report)
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        self._record(report)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if session.exitstatus == pytest.ExitCode.OK and self.unexpected():
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> Generator[None]:
+        yield  # after pytest's own summary (-rs included), so that this comes last
+        bad = self.unexpected()
+        if not bad:
+            if self.skips:
+                terminalreporter.write_line(f"{STRICT_ENV}=1: {len(self.skips)} skipped, each allowed by {self.shown}")
+            return
+        terminalreporter.section(f"{len(bad)} unexpected skip{'s' * (len(bad) != 1)}: the run fails",
+                                 sep="=", red=True, bold=True)
+        for node, why in bad:
+            terminalreporter.write_line(f"UNEXPECTED SKIP {node}: {why}", red=True)
+        terminalreporter.write_line(f"{STRICT_ENV}=1 accepts only the skips {self.shown} names: install what "
+                                    f"they lack (tests/setup.sh), or run without {STRICT_ENV}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    strict = os.environ.get(STRICT_ENV, "")
+    if strict not in ("", "0", "1"):
+        raise pytest.UsageError(f"{STRICT_ENV} must be 1 (fail on unlisted skips) or 0, not {strict!r}")
+    if strict == "1":
+        try:
+            allowed = load_allowed()
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        config.pluginmanager.register(SkipPolicy(allowed, ALLOW_LIST), "wedgectl-skip-policy")

@@ -189,13 +189,20 @@ def test_interrupt_during_health_wait_leaves_nothing(fake_python: Path, tmp_path
     seen: list[int] = []
 
     def interrupt_soon() -> None:
-        time.sleep(1.0)
-        for proc in psutil.Process().children():
-            try:  # another test's child may be a zombie or gone by now: not ours to judge
-                if "fake-python" in " ".join(proc.cmdline()):
-                    seen.extend([proc.pid, *(c.pid for c in proc.children(recursive=True))])
-            except psutil.Error:
-                continue
+        # Once the server and its children are up (polled, not slept for: a loaded host can take
+        # seconds to start them), or after 30 s, whatever has started by then.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            seen.clear()
+            for proc in psutil.Process().children():
+                try:  # another test's child may be a zombie or gone by now: not ours to judge
+                    if "fake-python" in " ".join(proc.cmdline()):
+                        seen.extend([proc.pid, *(c.pid for c in proc.children(recursive=True))])
+                except psutil.Error:
+                    continue
+            if len(seen) > 1:
+                break
+            time.sleep(0.1)
         signal.raise_signal(signal.SIGINT)
 
     threading.Thread(target=interrupt_soon, daemon=True).start()

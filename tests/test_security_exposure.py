@@ -130,7 +130,7 @@ def test_a_served_model_name_forges_no_episode_line_and_no_livez_line(vllm_metri
 
 
 def test_the_text_renderers_escape_what_a_target_or_bundle_chose():
-    from wedgectl.render import render_ranks, render_report, render_threads
+    from wedgectl.render import render_report, render_threads
     from wedgectl.types import ThreadProbe
 
     v = Verdict(V.ENGINE_DEADLOCK, 0.9, f"stuck in {EVIL_MODEL}", f"rule\n{FORGED}",

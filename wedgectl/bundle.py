@@ -118,7 +118,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         options = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None and len(options) < len(typing.get_args(tp)):
             return None
-        records = [a for a in options if dataclasses.is_dataclass(a)]
+        records = [a for a in options if isinstance(a, type) and dataclasses.is_dataclass(a)]
         if len(records) > 1:  # tagged records (ProbeRecord): pick by "kind"; a newer kind is left out
             kind = value.get("kind") if isinstance(value, dict) else None
             chosen = next((a for a in records if _record_kind(a) == kind), None)
@@ -135,7 +135,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             raise _FieldError(path, f"expected an object, found {_json_kind(value)}")
         item = typing.get_args(tp)[1] if typing.get_args(tp) else Any
         return {k: _convert(item, v, f"{path}.{k}") for k, v in value.items()}
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _build(tp, value, path)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         if not isinstance(value, str):
@@ -264,7 +264,8 @@ def decode(files: dict[str, bytes], origin: str) -> Bundle:
         raise BadBundle(f"{origin}: {MANIFEST}: version: expected an integer, found {_json_kind(version)}")
     if version > BUNDLE_VERSION:
         raise BadBundle(
-            f"{origin}: bundle format v{version} is newer than this wedgectl reads (v{BUNDLE_VERSION}); upgrade wedgectl"
+            f"{origin}: bundle format v{version} is newer than this wedgectl reads (v{BUNDLE_VERSION}); upgrade "
+            "wedgectl"
         )
     manifest = from_jsonable(Manifest, raw_manifest, f"{origin}: {MANIFEST}")
     samples = []

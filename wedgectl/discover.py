@@ -59,8 +59,8 @@ def base_url_from_listening(listening: tuple[str, ...]) -> str | None:
 def discover(pid: int | None = None, url: str | None = None) -> Deployment:
     """Resolve the target. NoSuchProcess / NotVllm for a bad pid; a URL alone is metrics-only."""
     if pid is None:
-        base = normalise_url(url or "")
-        return Deployment(None, None, {}, base, metrics_url_for(base))
+        given = normalise_url(url or "")
+        return Deployment(None, None, {}, given, metrics_url_for(given))
     try:
         found = processes.identify(pid)
     except processes.ProcessGone:

@@ -22,7 +22,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 # Re-exported for run_bounded's callers, so that only this module and collect/ import subprocess.
-from subprocess import DEVNULL, STDOUT, CompletedProcess, SubprocessError, TimeoutExpired
+from subprocess import DEVNULL, STDOUT, CompletedProcess, SubprocessError, TimeoutExpired  # noqa: F401
 from typing import TYPE_CHECKING, Any
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +31,7 @@ import psutil
 
 from wedgectl import exitcodes, shm
 from wedgectl.collect import procfs, procread
-from wedgectl.collect.target import Credentials
+from wedgectl.collect.target import Credentials, PopenUser
 from wedgectl.errors import WedgectlError
 
 if TYPE_CHECKING:  # httpx is imported where a server is started and waited on, not by diagnose
@@ -136,7 +136,7 @@ def launch(command: Command, owned: bool = True) -> Server:
     stopped or detached before; one that is not (swap's, which must outlive
     wedgectl) is left to its caller.
     """
-    as_user = command.run_as.popen_kwargs if command.run_as is not None else {}
+    as_user: PopenUser = command.run_as.popen_kwargs if command.run_as is not None else {}
     if not as_user:
         command.log_path.parent.mkdir(parents=True, exist_ok=True)
     else:  # root never opens (or creates) a log the user chose: the child does, as the user
@@ -154,7 +154,7 @@ def launch(command: Command, owned: bool = True) -> Server:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                **as_user,  # type: ignore[arg-type]
+                **as_user,
             )
     except BaseException:
         # A Ctrl-C can land after the fork but before Popen returns: the child, in a session of

@@ -169,7 +169,8 @@ _SAMPLE = re.compile(rf"({_NAME})(?:\{{((?:{_LABEL})(?:,{_LABEL})*,?)?\}})? "
                      r"([-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?Inf|NaN)(?: -?[0-9]+)?")
 _LABEL_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"')
 _UNESCAPE = re.compile(r"\\([\\\"n])")
-_TYPES = frozenset({"counter", "gauge", "histogram", "summary", "untyped", "info", "stateset", "gaugehistogram", "unknown"})
+_TYPES = frozenset({"counter", "gauge", "histogram", "summary", "untyped", "info", "stateset", "gaugehistogram",
+                    "unknown"})
 
 
 def _parse_plain(text: str) -> dict[str, list[tuple[dict[str, str], float]]] | None:
@@ -194,6 +195,7 @@ def _parse_plain(text: str) -> dict[str, list[tuple[dict[str, str], float]]] | N
             for key, raw in _LABEL_PAIR.findall(labels_text):
                 if key in labels:
                     return None
-                labels[key] = _UNESCAPE.sub(lambda e: "\n" if e.group(1) == "n" else e.group(1), raw) if "\\" in raw else raw
+                labels[key] = _UNESCAPE.sub(lambda e: "\n" if e.group(1) == "n" else e.group(1),
+                                            raw) if "\\" in raw else raw
         samples.setdefault(name, []).append((labels, float(value)))
     return samples

@@ -155,7 +155,8 @@ def check_shutdown_errors(obs: Observation) -> Check:
     bad = [r for r in reqs if not (400 <= int(r.get("status", 0)) < 600)]
     late = max(obs.answered_after_sigterm_s, default=None)
     if bad:
-        return Check(name, False, f"{len(bad)} of {len(reqs)} held request(s) got no HTTP error: {_summary(bad[0])}", late)
+        return Check(name, False, f"{len(bad)} of {len(reqs)} held request(s) got no HTTP error: {_summary(bad[0])}",
+                     late)
     if late is None or late > obs.shutdown_s:
         return Check(name, False, f"the held request(s) were answered {late} s after SIGTERM "
                                   f"(bound {obs.shutdown_s:g} s)", late)
@@ -208,7 +209,8 @@ def check_startup_failed(obs: Observation) -> Check:
         return Check("start-up deadline", False, f"the server was still starting {bound:g} s after launch")
     ok = obs.startup_error_logged and not obs.left_running
     what = "said why in its log" if obs.startup_error_logged else f"did not log {STARTUP_FAILED_LINE!r}"
-    left = f"; pids {' '.join(map(str, obs.left_running))} outlived it" if obs.left_running else "; nothing left running"
+    left = (f"; pids {' '.join(map(str, obs.left_running))} outlived it" if obs.left_running
+            else "; nothing left running")
     return Check("start-up deadline", ok, f"the server failed its start-up {obs.startup_exit_s:.1f} s after launch "
                                           f"(deadline {STARTUP_S:g} s), {what}{left}", obs.startup_exit_s)
 
@@ -293,9 +295,11 @@ def run_patched(
     extra_env: dict[str, str] | None = None,
 ) -> PatchedResult:
     """Start the config's server with the fixes on, drive its workload, check that nothing hangs, SIGTERM it."""
-    env = {**cfg.env, **patched_env(), **({"WEDGE_ENGINE_STARTUP_S": f"{STARTUP_S:g}"} if cfg.expected == "startup_hang" else {}),
+    env = {**cfg.env, **patched_env(),
+           **({"WEDGE_ENGINE_STARTUP_S": f"{STARTUP_S:g}"} if cfg.expected == "startup_hang" else {}),
            **(extra_env or {})}
-    obs = Observation(watchdog_s=float(env["WEDGE_ENGINE_WATCHDOG_S"]), shutdown_s=float(env["WEDGE_ENGINE_SHUTDOWN_S"]))
+    obs = Observation(watchdog_s=float(env["WEDGE_ENGINE_WATCHDOG_S"]),
+                      shutdown_s=float(env["WEDGE_ENGINE_SHUTDOWN_S"]))
     out_dir = out_dir or Path.cwd() / "wedgectl-repro" / f"{cfg.name}-patched"
     server, log_path = start_repro_server(cfg, env, python, out_dir, progress, label="patched vLLM")
     notes: list[str] = []

@@ -19,7 +19,7 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from wedgectl import exitcodes
-from wedgectl.collect.target import Credentials
+from wedgectl.collect.target import Credentials, PopenUser
 from wedgectl.errors import WedgectlError
 from wedgectl.lifecycle import DEVNULL, CompletedProcess, TimeoutExpired, run_bounded
 
@@ -169,7 +169,7 @@ def recorded_version(python: str | os.PathLike[str]) -> tuple[str, str]:
     return "", f"{lib}/python3*/site-packages"
 
 
-def _as(run_as: Credentials | None) -> dict[str, object]:
+def _as(run_as: Credentials | None) -> PopenUser:
     return run_as.popen_kwargs if run_as is not None else {}
 
 

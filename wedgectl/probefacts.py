@@ -102,7 +102,8 @@ def probe_evidence(samples: Sequence[Sample], most: int = 4) -> list[Evidence]:
         out.append(Evidence(
             source="probe",
             what=f"{ROLE_LABELS[role]} main thread (tid {t.tid}) on the CPU {100 * (t.oncpu_s or 0) / t.window_s:.0f}% "
-                 f"of the {t.window_s:.1f} s window, {t.waits if t.waits is not None else '?'} futex waits: spinning, not parked",
+                 f"of the {t.window_s:.1f} s window, {t.waits if t.waits is not None else '?'} futex waits: spinning, "
+                 "not parked",
             values={"tid": t.tid, "pid": t.pid, "role": role.value, "oncpu_s": t.oncpu_s, "offcpu_s": t.offcpu_s,
                     "runq_s": t.runq_s, "waits": t.waits, "backend": t.backend},
         ))

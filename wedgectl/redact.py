@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, overload
 
 REDACTED = "<redacted>"
 
@@ -145,7 +145,7 @@ def _assigned_sub(text: str) -> str:
     list branch would run to the line's end from each one (`a: [` repeated: a minute for 400 KB). For
     the one pass, each such '[' becomes a character the text does not hold, which no branch scans past
     as a list; the match is otherwise the same (such a '[' could only begin a bare value, itself shown)."""
-    lines = text.split("\n") if "[" in text else ()
+    lines = text.split("\n") if "[" in text else []
     dead = [i for i, line in enumerate(lines) if line.find("[", line.rfind("]") + 1) >= 0]
     if not dead:
         return _ASSIGNED.sub(_assigned, text)
@@ -208,6 +208,10 @@ def printable(text: str) -> str:
     return _UNPRINTABLE.sub(_escape, text) if _UNPRINTABLE.search(text) else text
 
 
+@overload
+def redact_url(url: str) -> str: ...
+@overload
+def redact_url(url: None) -> None: ...
 def redact_url(url: str | None) -> str | None:
     """A URL without its user:password (and without secret query values)."""
     return None if url is None else redact_text(url)

@@ -227,7 +227,7 @@ class Workload:
             if self._send(body, client=client).get("status") != 200:
                 self._stop.wait(STREAM_BACKOFF_S)  # a refusing server is not hammered in a loop
 
-    def _spawn(self, fn: Callable[..., None], *args: Any) -> None:
+    def _spawn(self, fn: Callable[..., object], *args: Any) -> None:
         t = threading.Thread(target=fn, args=args, daemon=True)
         t.start()
         self._threads.append(t)
@@ -359,9 +359,9 @@ def surviving_pid(server: Server, tree: tuple[int, ...]) -> int | None:
     for pid in tree[1:]:
         found.update(tree_roles(pid))
     for role in (Role.WORKER, Role.ENGINE_CORE):
-        pid = next((p for p, r in found.items() if r is role), None)
-        if pid is not None:
-            return pid
+        survivor = next((p for p, r in found.items() if r is role), None)
+        if survivor is not None:
+            return survivor
     return None
 
 
@@ -480,7 +480,8 @@ def run_repro(
             time.sleep(cfg.shutdown_after_s)
             target = surviving_pid(server, tree) or server.pid
         progress("diagnosing" + (f" from surviving pid {target}" if target != server.pid else ""))
-        bundle = capture(pid=target, log_path=str(log_path), options=SamplerOptions(window_s=window_s, progress=progress))
+        bundle = capture(pid=target, log_path=str(log_path),
+                         options=SamplerOptions(window_s=window_s, progress=progress))
         verdict = classify(bundle)
         bundle = replace(bundle, verdict=verdict)
         bundle_path = write_bundle(bundle, out_dir / "bundle.tar.gz", replace_own=True)  # a rerun's is ours

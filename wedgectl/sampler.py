@@ -58,7 +58,9 @@ PARKED_CLASSES = frozenset({VerdictKind.ENGINE_DEADLOCK, VerdictKind.COLLECTIVE_
 BURST_CLASSES = frozenset({VerdictKind.ADMISSION_WEDGE, *PARKED_CLASSES})
 PROBE_MIN_S = 2.0  # attach the probes only with at least this much window left: they need a window to see waits
 QUICK_LOOK_S = 0.3  # a serving engine steps every few ms: its counters move many times in this
-NICE = 5  # below a default-priority server in our scheduling group (CFS weight 335 against 1024; docs/design.md) while still getting a share on a saturated host
+# below a default-priority server in our scheduling group (CFS weight 335 against 1024; docs/design.md) while still
+# getting a share on a saturated host
+NICE = 5
 
 
 @dataclass(frozen=True)
@@ -257,7 +259,8 @@ def _start_ticks(pid: int) -> int | None:
     return None if stat is None or stat.state in ("Z", "X") else stat.starttime_ticks
 
 
-def _collect_processes(dep: Deployment, tree: TreeCache | None = None) -> tuple[tuple[ProcessSample, ...], list[CollectorFailure]]:
+def _collect_processes(dep: Deployment, tree: TreeCache | None = None) -> tuple[tuple[ProcessSample, ...],
+                                                                                list[CollectorFailure]]:
     if dep.root_pid is None:
         return processes.sample_roles({})
     if tree is None:
@@ -302,7 +305,8 @@ def _collect_stacks(procs: tuple[ProcessSample, ...], native: bool, burst: int =
     late = f"{FailureKind.TIMEOUT.value}: no dump within the bound"
     dumps = tuple(d for i, p in enumerate(targets)
                   for d in got.get(i) or [StackDump(p.pid, time.time(), native, error=late)])
-    failures = list({(f.collector, f.target, f.message): f for d in dumps if (f := pyspy.stack_failure(d)) is not None}.values())
+    failures = list({(f.collector, f.target,
+                      f.message): f for d in dumps if (f := pyspy.stack_failure(d)) is not None}.values())
     return dumps, failures
 
 
@@ -408,7 +412,8 @@ def _summarise(s: Sample) -> str:
     if s.metrics is not None and s.metrics.ok:
         try:
             m = parse_metrics(s.metrics.text or "")
-            parts.append(f"running={m.running or 0:.0f} waiting={m.waiting or 0:.0f} gen_tokens={m.generation_tokens or 0:.0f}")
+            parts.append(f"running={m.running or 0:.0f} waiting={m.waiting or 0:.0f} "
+                         f"gen_tokens={m.generation_tokens or 0:.0f}")
         except MetricsParseError:
             parts.append("metrics unparsable")
     elif s.metrics is not None:
@@ -427,7 +432,7 @@ def _read_log(path: str | LogSource | None, max_bytes: int = LOG_TAIL_BYTES) -> 
         return (), [f"log not read: {exc}"]
 
 
-def capture(pid: int | None = None, url: str | None = None, log_path: str | None = None,
+def capture(pid: int | None = None, url: str | None = None, log_path: str | os.PathLike[str] | None = None,
             options: SamplerOptions = SamplerOptions()) -> Bundle:
     """Sample the target until the verdict is certain or the window ends; the bundle (verdict not set)."""
     dep = discover(pid=pid, url=url)
@@ -575,7 +580,8 @@ def next_step(verdict: Verdict, n_samples: int, elapsed_s: float, options: Sampl
     if not options.stacks or certain or stacks_cannot_help(verdict):
         return Step(False)
     if not burst_taken:
-        return Step(False, burst=options.stack_burst, why=f"{verdict.verdict.value} ({verdict.confidence:.2f}) not certain: stack burst")
+        return Step(False, burst=options.stack_burst,
+                    why=f"{verdict.verdict.value} ({verdict.confidence:.2f}) not certain: stack burst")
     left = options.window_s - elapsed_s
     if (verdict.verdict in PARKED_CLASSES and options.ebpf == "auto" and not probes_started and left >= PROBE_MIN_S):
         return Step(False, probes=True, why=f"{verdict.verdict.value} not certain: probes for the {left:.0f} s left")
@@ -641,10 +647,11 @@ def _begin(dep: Deployment, scraper: Scraper, options: SamplerOptions, burst: in
     dumps the other processes once too (the first sample's dump was left out)."""
     t = time.time()
     jobs: dict[str, Callable[[], object]] = {}
-    if dep.metrics_url:
-        jobs["metrics"] = lambda: scraper.metrics(dep.metrics_url, options.scrape_timeout_s)
-    if dep.base_url:
-        jobs["health"] = lambda: scraper.health(dep.base_url, options.scrape_timeout_s)
+    metrics_url, base_url = dep.metrics_url, dep.base_url
+    if metrics_url:
+        jobs["metrics"] = lambda: scraper.metrics(metrics_url, options.scrape_timeout_s)
+    if base_url:
+        jobs["health"] = lambda: scraper.health(base_url, options.scrape_timeout_s)
     procs: tuple[ProcessSample, ...] = ()
     failures: list[CollectorFailure] = []
     if dep.root_pid is not None:
@@ -666,7 +673,7 @@ MAX_IN_FLIGHT = 2  # scrapes of a slow server overlapping on the sampling clock
 REST_GRACE_S = 5.0  # a sample's scrape is abandoned this long after its own timeout (it ends by then)
 
 
-def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | None,
+def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | os.PathLike[str] | None,
              options: SamplerOptions, scraper: Scraper, probes: _Probes) -> Bundle:
     say = options.progress or (lambda _msg: None)
     if dep.root_pid is not None:
@@ -781,7 +788,8 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
     if options.stacks and not burst_taken and samples and samples[-1].processes and verdict is not None:
         # No burst was taken. "progressing", a live "starved" and an engine the host starves of
         # CPU need no stacks (stacks_cannot_help). A first dump left out for a stepping engine is
-        # taken now, on the last sample, for any other verdict's evidence. "progressing" read from a log that grew in the window (the live rules
+        # taken now, on the last sample, for any other verdict's evidence. "progressing" read from a log that grew in
+        # the window (the live rules
         # could not decide: thin scrapes) is read again from the log as it is now, which may say
         # otherwise. Live progressing (counters moving) no log overrules. A hang class the window
         # ended on before its burst (a loaded host's samples came late, or the first did not look
@@ -796,7 +804,8 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
         if final.verdict is not VerdictKind.PROGRESSING and not stacks_cannot_help(final) and (n > 1 or not dumped_all):
             say("window over before the stack burst: the engine's stacks now" if n > 1 else "stacks of every process")
             dumps, fails = _collect_stacks(samples[-1].processes, options.native, n, others=not dumped_all)
-            samples[-1] = replace(samples[-1], stacks=samples[-1].stacks + dumps, failures=samples[-1].failures + tuple(fails))
+            samples[-1] = replace(samples[-1], stacks=samples[-1].stacks + dumps,
+                                  failures=samples[-1].failures + tuple(fails))
     host = manifest.host
     if steal is not None:
         host = {**host, **steal_facts(steal[0], procfs.cpu_steal_s(), time.monotonic() - steal[1])}
@@ -819,7 +828,8 @@ def fatal_problem(bundle: Bundle) -> WedgectlError | None:
         # Whether the exit lands before or after a loaded host's second sample is a race; when the
         # samples before it decide nothing, the exit is the answer either way, not "inconclusive".
         if classify(bundle).verdict is VerdictKind.INCONCLUSIVE:
-            return NoSuchProcess(f"pid {bundle.manifest.target.pid} exited mid-capture, after {seen} samples that decide nothing")
+            return NoSuchProcess(f"pid {bundle.manifest.target.pid} exited mid-capture, after {seen} samples that "
+                                 "decide nothing")
     if bundle.manifest.source != "url":
         return None
     scrapes = [s.metrics for s in bundle.samples if s.metrics is not None]
@@ -828,7 +838,7 @@ def fatal_problem(bundle: Bundle) -> WedgectlError | None:
         # utf-8/ascii/latin-1, not valid text, not text at all) is reachable: exit 33, not 32.
         bad = [m for m in scrapes if m.status is not None and failure_kind(m.error) is FailureKind.BAD_DATA]
         if bad:
-            return BadMetrics(f"{bad[-1].url}: {_brief(bad[-1].error)}")
+            return BadMetrics(f"{bad[-1].url}: {_brief(bad[-1].error or '')}")
         m = scrapes[-1]
         if m.status is not None and m.status != 200:
             return Unreachable(f"{m.url}: HTTP {m.status} on every scrape")

@@ -24,7 +24,8 @@ def remove_unheld(paths: Iterable[str], owners: Collection[int] = (),
     Kept: the others, the ones still held, and any whose holders cannot be told. Nothing is removed
     without `owners` and `since`.
     """
-    removed, kept = [], []
+    removed: list[str] = []
+    kept: list[str] = []
     foreign = 0
     for path in sorted(set(paths)):
         if os.path.dirname(path) != SHM:

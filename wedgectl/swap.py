@@ -214,7 +214,8 @@ class SwapResult:
     def to_json(self) -> dict[str, Any]:
         return {
             "ok": self.ok, "dry_run": self.dry_run, "message": self.message, "new_pid": self.new_pid,
-            "url": redact.redact_url(self.plan.url), "downtime_s": self.downtime_s, "stop_s": self.stop_s, "killed": self.killed,
+            "url": redact.redact_url(self.plan.url), "downtime_s": self.downtime_s, "stop_s": self.stop_s,
+            "killed": self.killed,
             "rolled_back": self.rolled_back, "log": self.log_path, "steps": self.steps, "plan": self.plan.to_json(),
             "interrupted": self.interrupted, "restore_script": self.restore_script,
         }

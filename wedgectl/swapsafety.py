@@ -84,7 +84,7 @@ def can_append_as(path: str, run_as: Credentials, timeout_s: float = 10.0) -> bo
     never opens a file the user chose."""
     try:
         return run_bounded(["/bin/sh", "-c", ': >>"$0"', path], stdin=DEVNULL, timeout=timeout_s, cwd="/",
-                           **run_as.popen_kwargs).returncode == 0  # type: ignore[arg-type]
+                           **run_as.popen_kwargs).returncode == 0
     except (OSError, SubprocessError):
         return False
 

@@ -58,7 +58,7 @@ def vllm_python() -> Path:
         return runtime_python()
     except RuntimeMissing as exc:
         if os.environ.get("WEDGECTL_NO_INSTALL"):
-            pytest.skip(str(exc))
+            pytest.skip(f"WEDGECTL_NO_INSTALL set: {exc}")
     return install_runtime(
         progress=lambda line: print(f"[wedgectl runtime] {line}", file=sys.stderr)
     )

@@ -382,9 +382,13 @@ def test_detach_on_timeout_error_and_ctrl_c(spawn: Callable[..., Target], monkey
         assert header["backend"] == "bpftrace"
     assert _threads(tuple(payload["probes"]))[info["a"]]["wait_s"] > 0
     assert _gone(kids)
-    if NO_RAWTP is not None:
-        return
-    # rawtp: in this process, detached by its timer at the window's end, and nothing of it left open
+
+
+@needs_rawtp
+def test_rawtp_detaches_on_its_timer_and_closes_everything(spawn: Callable[..., Target]) -> None:
+    """rawtp: in this process, detached by its timer at the window's end, and nothing of it left open."""
+    target = spawn(TARGETS / "deadlock.py")
+    info = target.expect("ready")
     before = _bpf_descriptors()
     t0 = time.monotonic()
     run = ebpf.start_probes([target.pid], "on", backend="rawtp", max_s=1.0)

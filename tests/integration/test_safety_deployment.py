@@ -10,7 +10,6 @@ handed on since to another process is never signalled.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

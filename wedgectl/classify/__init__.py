@@ -70,9 +70,11 @@ def _inconclusive(f: Facts) -> Verdict:
             ev.append(metrics_evidence(f, f"{f.running:.0f} running, {f.waiting:.0f} waiting"))
         ev += present(engine_cpu_evidence(f), engine_stack_evidence(f))
     if f.log is not None:
-        ev.append(Evidence("log", f"{f.log.n_lines} lines, {len(f.stats)} stats lines, {len(f.log.access)} access lines"))
+        ev.append(Evidence("log",
+                           f"{f.log.n_lines} lines, {len(f.stats)} stats lines, {len(f.log.access)} access lines"))
         if not f.stats:
-            ev.append(Evidence("log", "no stats lines: vLLM logs them only while tokens flow, so idle and stuck look alike"))
+            ev.append(Evidence("log",
+                               "no stats lines: vLLM logs them only while tokens flow, so idle and stuck look alike"))
         advice.append("Capture the live process: `wedgectl diagnose --pid PID --save-bundle hang.tar.gz`.")
     if not advice:
         advice.append("Capture more: `wedgectl diagnose --pid PID --window 15`.")
@@ -80,4 +82,5 @@ def _inconclusive(f: Facts) -> Verdict:
                    "inconclusive", tuple(ev), tuple(advice))
 
 
-__all__ = ["Facts", "Rule", "Series", "classify", "classify_facts", "LIVE_RULES", "LOG_RULES", "slope_per_s", "unix_to_logtime"]
+__all__ = ["Facts", "Rule", "Series", "classify", "classify_facts", "LIVE_RULES", "LOG_RULES", "slope_per_s",
+           "unix_to_logtime"]

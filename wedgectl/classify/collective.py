@@ -1,4 +1,5 @@
-"""Ranks and the collective hang: where each Worker of a parallel deployment is, which rank lags, and the rules that name it."""
+"""Ranks and the collective hang: where each Worker of a parallel deployment is, which rank lags, and the rules
+that name it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from wedgectl import stacks as stk
-from wedgectl.classify.evidence import counter_evidence, fmt_duration, log_stamp, message, metrics_evidence, present, stepless_evidence
+from wedgectl.classify.evidence import (counter_evidence, fmt_duration, log_stamp, message, metrics_evidence, present,
+                                        stepless_evidence)
 from wedgectl.classify.facts import PARKED_CORES, SPINNING_CORES, Facts
 from wedgectl.classify.rule import Rule
 from wedgectl.types import Bundle, Evidence, ProcessSample, Role, StackDump, Verdict, VerdictKind
@@ -128,7 +130,8 @@ def _position(dumps: Sequence[StackDump]) -> tuple[str, str, str, bool | None, t
     keys = {stk.frame_key(t) for t in threads}
     stuck = None if len(threads) < 2 else (len(keys) == 1 and None not in keys)
     # A native dump names more (shm_allreduce, cudaStreamSynchronize): prefer the last native one.
-    best = next((t for d, t in zip(reversed(dumps), reversed(threads)) if d.native and t), threads[-1] if threads else None)
+    best = next((t for d, t in zip(reversed(dumps), reversed(threads)) if d.native and t),
+                threads[-1] if threads else None)
     group, kind, frame = stk.rank_position(best)
     return group, kind, frame, stuck, tuple(stk.frame_names(best)) if best else ()
 
@@ -149,7 +152,8 @@ def rank_views(f: Facts) -> tuple[RankView, ...]:
     views = []
     for p, par, rank in zip(workers, parallel, ranks):
         dumps = f.stack_burst(p.pid)
-        group, kind, frame, stuck, frames = _position(dumps) if dumps else (stk.ELSEWHERE, stk.KIND_UNKNOWN, "", None, ())
+        group, kind, frame, stuck, frames = _position(dumps) if dumps else (stk.ELSEWHERE, stk.KIND_UNKNOWN, "", None,
+                                                                            ())
         label = "_".join(f"{k}{v}" for k, v in par.items()) or f"pid {p.pid}"
         views.append(RankView(p.pid, label, rank, par, device_of(p), p.state, cpu.get(p.pid), group, kind, frame,
                               stuck, len(dumps), any(d.native for d in dumps), frames=frames,
@@ -174,7 +178,8 @@ def _infer_inside(views: list[RankView]) -> list[RankView]:
         if v.group == stk.BEFORE and v.kind == stk.KIND_COMPILED and v.spinning and v.stuck is not False:
             who = ", ".join(p.label for p in parked_before)
             v = replace(v, group=stk.INSIDE, inferred=f"spinning ({_cpu_text(v)}) in place inside a compiled graph "
-                                                     f"while {who} sleeps before it: the graph's inlined collective spin-waits")
+                                                     f"while {who} sleeps before it: the graph's inlined collective "
+                                                     "spin-waits")
         out.append(v)
     return out
 
@@ -259,7 +264,8 @@ def _collective_verdict(f: Facts) -> Verdict:
     for v in views:
         role = "waits in the collective" if v in inside else "lags before it" if v in lagging else "in the step"
         ev.append(Evidence("stack", f"rank {v.label} (pid {v.pid}, {v.device}) {role}: {v.kind} at {v.frame or '?'}; "
-                           f"{_cpu_text(v)}" + (", frame stayed put" if v.stuck else ", frame moved" if v.stuck is False else ""),
+                           f"{_cpu_text(v)}"
+                           + (", frame stayed put" if v.stuck else ", frame moved" if v.stuck is False else ""),
                            values={"pid": v.pid, "rank": v.rank, "cpu_cores": v.cpu_cores, "stuck": v.stuck,
                                    "dumps": v.dumps, "native": v.native, "frames": list(v.frames[:6])}))
         if v.inferred:
@@ -286,7 +292,8 @@ def _collective_verdict(f: Facts) -> Verdict:
         "those ranks arrived; equal numbers on all with the op not completed point at the fabric. It sees only c10d "
         "process-group ops: vLLM's custom all-reduce and the CPU shm collectives are not in it.",
         "On NCCL, query its RAS (NCCL_RAS_ENABLE=1, `ncclras`): a peer unreachable or a rank missing from "
-        "the communicator is the fabric or a dead process; all ranks present and waiting is a rank that never called it.",
+        "the communicator is the fabric or a dead process; all ranks present and waiting is a rank that never called "
+        "it.",
         "Read the device state of each rank's device (nvidia-smi -q -d UTILIZATION,ECC; dmesg Xid): 100 % "
         "utilisation with no progress on one device is a kernel spinning; an Xid or ECC error is a device fault.",
         "vLLM ends this by itself after VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (default 300 s) with "
@@ -324,7 +331,8 @@ def log_step_timeout(f: Facts) -> bool:
 
 def _step_timeout_verdict(f: Facts) -> Verdict:
     lineno, method, text = _rpc_timeouts(f)[0]
-    ranks = sorted({"_".join(f"{k}{v}" for k, v in r.items()) for r in _titles_from_log(f.bundle.log_lines).values() if r})
+    titles = _titles_from_log(f.bundle.log_lines).values()
+    ranks = sorted({"_".join(f"{k}{v}" for k, v in r.items()) for r in titles if r})
     ev = [Evidence("log", message(text)[:160], values={"line": lineno, "method": method})]
     if ranks:
         ev.append(Evidence("log", f"{len(ranks)} ranks in the log ({', '.join(ranks)}): with tensor or pipeline "

@@ -100,7 +100,8 @@ def counter_evidence(f: Facts) -> Evidence:
     )
 
 
-_ENGINE_NAMES = {Role.ENGINE_CORE: "EngineCore", Role.WORKER: "Worker"}  # the engine's processes, as evidence names them
+# the engine's processes, as evidence names them
+_ENGINE_NAMES = {Role.ENGINE_CORE: "EngineCore", Role.WORKER: "Worker"}
 
 
 def stepless_evidence(f: Facts) -> Evidence | None:
@@ -159,7 +160,8 @@ def engine_cpu_evidence(f: Facts) -> Evidence | None:
     return Evidence(
         source="proc",
         what=f"engine used {cores:.2f} cores over the window ({split}): {state}",
-        values={"pid": p.pid if p else None, "cores": round(cores, 3), "engine_core_cores": None if core is None else round(core, 3),
+        values={"pid": p.pid if p else None, "cores": round(cores, 3),
+                "engine_core_cores": None if core is None else round(core, 3),
                 "worker_cores": None if workers is None else round(workers, 3), "state": p.state if p else None},
     )
 

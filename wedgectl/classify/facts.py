@@ -138,7 +138,8 @@ def mostly_queued(w: tuple[ProcessSample, float, float] | None) -> bool:
 
 
 def mostly_throttled(t: tuple[ProcessSample, int, int] | None) -> bool:
-    """A Facts.engine_throttling reading (process, throttled periods, periods) out of quota in half the periods or more."""
+    """A Facts.engine_throttling reading (process, throttled periods, periods) out of quota in half the periods or
+    more."""
     return t is not None and t[2] > 0 and t[1] >= t[2] / 2
 
 
@@ -560,7 +561,8 @@ class Facts:
         began = self.shutdown_began
         if began is None:
             return None
-        return next((s for s in self.shutdown_lines if s.kind == "waiting_connections" and s.lineno >= began.lineno), None)
+        return next((s for s in self.shutdown_lines if s.kind == "waiting_connections" and s.lineno >= began.lineno),
+                    None)
 
     @cached_property
     def scrapes_after_last_stats(self) -> int:
@@ -581,7 +583,9 @@ class Facts:
             return None
         first, last = run
         n = sum(1 for a in self.log.access if first.lineno < a.lineno < last.lineno and a.path.startswith("/metrics"))
-        return (last.t - first.t) / n if n else None
+        if not n or first.t is None or last.t is None:  # a run's ends always carry a stamp
+            return None
+        return (last.t - first.t) / n
 
     @cached_property
     def log_silence_s(self) -> float | None:
@@ -612,15 +616,15 @@ def _all_timed(log: ParsedLog | None):
 
 def _longest_contiguous_run(stats: Sequence[StatsLine]) -> tuple[StatsLine, StatsLine] | None:
     best: tuple[StatsLine, StatsLine] | None = None
+    best_s = 0.0
     start = 0
     for i in range(1, len(stats) + 1):
-        broken = i == len(stats) or (
-            stats[i].t is None or stats[i - 1].t is None or stats[i].t - stats[i - 1].t > 3 * STATS_INTERVAL_S
-        )
+        t, t_before = (stats[i].t, stats[i - 1].t) if i < len(stats) else (None, None)
+        broken = t is None or t_before is None or t - t_before > 3 * STATS_INTERVAL_S
         if broken:
             a, b = stats[start], stats[i - 1]
             if b.t is not None and a.t is not None and b.t > a.t:
-                if best is None or (b.t - a.t) > (best[1].t - best[0].t):
-                    best = (a, b)
+                if best is None or (b.t - a.t) > best_s:
+                    best, best_s = (a, b), b.t - a.t
             start = i
     return best

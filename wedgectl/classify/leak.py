@@ -112,7 +112,8 @@ def _leaked_capacity_verdict(f: Facts) -> Verdict:
                                 "tokens_per_s": round(g.rate or 0, 2)}
     if last.kv_usage is not None:
         kv = f.kv
-        growth = f" (from {kv.first * 100:.1f}% {fmt_duration(kv.span_s)} before)" if kv.first is not None and kv.span_s else ""
+        growth = (f" (from {kv.first * 100:.1f}% {fmt_duration(kv.span_s)} before)"
+                  if kv.first is not None and kv.span_s else "")
         facts["kv_usage_pct"] = round(last.kv_usage * 100, 2)
         ev.append(Evidence("metrics", f"KV cache {last.kv_usage * 100:.1f}% held{growth}",
                            values={"kv_usage_pct": round(last.kv_usage * 100, 2)}))
@@ -127,7 +128,8 @@ def _leaked_capacity_verdict(f: Facts) -> Verdict:
         VerdictKind.LEAKED_CAPACITY, confidence,
         f"{leaked:.0f} request(s) counted with no client connection behind them "
         f"({last.counted:.0f} counted, {conns}); "
-        + (f"the engine still spends {g.rate or 0:.0f} tokens/s on them." if g.rate else "the slots they hold are lost."),
+        + (f"the engine still spends {g.rate or 0:.0f} tokens/s on them." if g.rate
+           else "the slots they hold are lost."),
         "live_leaked_capacity", tuple(ev),
         (
             "Their clients are gone (timeouts shorter than generation, cancelled streams): the engine "

@@ -43,7 +43,8 @@ def live_engine_dead(f: Facts) -> bool:
     api = f.api_server
     if not f.is_live or api is None:
         return False
-    return f.last_health == 503 or (f.engine_core is None and bool(api.listening) and bool(f.failures_of("engine_dead")))
+    return f.last_health == 503 or (f.engine_core is None and bool(api.listening)
+                                    and bool(f.failures_of("engine_dead")))
 
 
 def _engine_dead_verdict(f: Facts) -> Verdict:
@@ -55,9 +56,11 @@ def _engine_dead_verdict(f: Facts) -> Verdict:
         ev.append(Evidence("metrics", "GET /health answered 503"))
     ev += [failure_evidence(line) for line in f.failures_of("engine_dead")[:2]]
     return Verdict(
-        VerdictKind.ENGINE_DEAD, C.ENGINE_DEAD_LIVE, "The engine process died; the API server answers but every request fails.",
+        VerdictKind.ENGINE_DEAD, C.ENGINE_DEAD_LIVE,
+        "The engine process died; the API server answers but every request fails.",
         "live_engine_dead", tuple(ev),
-        ("Read the first traceback in the EngineCore log: it names the cause.", "Restart the server; a supervisor should treat /health 503 as fatal."),
+        ("Read the first traceback in the EngineCore log: it names the cause.",
+         "Restart the server; a supervisor should treat /health 503 as fatal."),
     )
 
 
@@ -89,7 +92,8 @@ def _shutdown_hang_verdict(f: Facts) -> Verdict:
     ]
     facts: dict[str, object] = {}
     if api.connections:
-        ev.append(Evidence("proc", f"{api.connections} client connection(s) still open: uvicorn waits for them to close",
+        ev.append(Evidence("proc",
+                           f"{api.connections} client connection(s) still open: uvicorn waits for them to close",
                            values={"connections": api.connections}))
     if f.engine_core is None:
         ev.append(Evidence("proc", "EngineCore and Worker already exited"))
@@ -99,10 +103,13 @@ def _shutdown_hang_verdict(f: Facts) -> Verdict:
         if began.t is not None and f.now_logtime is not None and f.now_logtime >= began.t:
             ago = f.now_logtime - began.t
             facts["shutdown_age_s"] = round(ago, 1)
-        ev.append(Evidence("log", f"shutdown began: {message(began.text)[:120]}" + (f" ({fmt_duration(ago)} ago)" if ago is not None else ""),
+        ev.append(Evidence("log",
+                           f"shutdown began: {message(began.text)[:120]}"
+                           + (f" ({fmt_duration(ago)} ago)" if ago is not None else ""),
                            t=log_stamp(began.t), values={"line": began.lineno, "kind": began.kind}))
         if f.waiting_connections_line is not None:
-            ev.append(Evidence("log", "uvicorn: Waiting for connections to close", values={"line": f.waiting_connections_line.lineno}))
+            ev.append(Evidence("log", "uvicorn: Waiting for connections to close",
+                               values={"line": f.waiting_connections_line.lineno}))
     if frames:
         ev.append(Evidence("stack", f"API server stack in shutdown: {frames[0]}", values={"frames": list(frames[:6])}))
     ev += f.probe_evidence
@@ -197,12 +204,14 @@ def _waits_for_cpu_verdict(f: Facts) -> Verdict:
     throttled = mostly_throttled(t)
     steal = f.host_steal
     stolen = steal is not None and steal[2] >= STEAL_SHARE
-    ev = [metrics_evidence(f, f"{f.running:.0f} running, {f.waiting:.0f} waiting, all gauges frozen"), counter_evidence(f)]
+    ev = [metrics_evidence(f, f"{f.running:.0f} running, {f.waiting:.0f} waiting, all gauges frozen"),
+          counter_evidence(f)]
     ev += present(cpu_wait_evidence(f), engine_cpu_evidence(f))
     return Verdict(
         VerdictKind.INCONCLUSIVE, C.INCONCLUSIVE,
         (f"The engine is waiting for a CPU, not stopped: its counters are frozen because the host gave it "
-         f"none for {fmt_duration(waited)}. A hang cannot be told from that." if w is None or mostly_queued(w) or t is None else
+         f"none for {fmt_duration(waited)}. A hang cannot be told from that."
+         if w is None or mostly_queued(w) or t is None else
          f"The engine is waiting for a CPU, not stopped: its counters are frozen because its cgroup's CPU limit "
          f"ran out in {t[1]} of {t[2]} periods while it was runnable. A hang cannot be told from that."),
         "live_engine_waits_for_cpu", tuple(ev),
@@ -268,7 +277,9 @@ def _engine_deadlock_verdict(f: Facts) -> Verdict:
             ev.append(Evidence("stack", f"Worker pid {w.pid} stuck in {inner}", values={"pid": w.pid}))
     api = f.api_server
     if api is not None and api.listening:
-        ev.append(Evidence("proc", f"API server pid {api.pid} still listening on {', '.join(api.listening)} and answering /metrics"))
+        ev.append(Evidence("proc",
+                           f"API server pid {api.pid} still listening on {', '.join(api.listening)} and answering "
+                           "/metrics"))
     advice: tuple[str, ...] = (
         "Capture native stacks of the EngineCore and Workers (`wedgectl diagnose --pid PID --native`): "
         "the innermost frame names the kernel, collective or lock it waits on.",
@@ -281,7 +292,8 @@ def _engine_deadlock_verdict(f: Facts) -> Verdict:
         f"The engine stopped with {running:.0f} running / {waiting:.0f} waiting; counters frozen "
         f"{fmt_duration(f.tokens_frozen_s)}" + (", EngineCore parked." if f.engine_parked else "."),
         "live_engine_deadlock", tuple(ev), advice,
-        {"frozen_s": round(f.tokens_frozen_s, 2), "engine_cores": f.engine_cores, "running": running, "waiting": waiting,
+        {"frozen_s": round(f.tokens_frozen_s, 2), "engine_cores": f.engine_cores, "running": running,
+         "waiting": waiting,
          "worker_model_share": f.worker_model_share},
     )
 
@@ -315,15 +327,17 @@ def _starved_verdict(f: Facts) -> Verdict:
     if kv_rate is not None and kv_last is not None:
         per_min = kv_rate * 100 * 60
         facts["kv_growth_pct_per_min"] = round(per_min, 2)
+        to_full: float | None = None
         if kv_rate > 0:
-            facts["seconds_to_kv_full"] = round((1 - kv_last) / kv_rate, 1)
+            to_full = facts["seconds_to_kv_full"] = round((1 - kv_last) / kv_rate, 1)
         ev.append(Evidence("metrics", f"KV cache {kv_last * 100:.1f}% used, growing {per_min:.2f} %/min"
-                           + (f"; full in ~{fmt_duration(facts['seconds_to_kv_full'])}" if kv_rate > 0 else ""),
+                           + (f"; full in ~{fmt_duration(to_full)}" if to_full is not None else ""),
                            values={"kv_usage_pct": round(kv_last * 100, 1), "pct_per_min": round(per_min, 2)}))
     ev += present(engine_cpu_evidence(f))
     return Verdict(
         VerdictKind.STARVED, C.STARVED_CAPACITY if starved_for_capacity(f) else C.STARVED_LIVE,
-        f"Not a hang: tokens advance at {g.rate or 0:.1f}/s but {waiting:.0f} request(s) wait for KV capacity behind {running:.0f} running.",
+        f"Not a hang: tokens advance at {g.rate or 0:.1f}/s but {waiting:.0f} request(s) wait for KV capacity behind "
+        f"{running:.0f} running.",
         "live_starved", tuple(ev), STARVED_ADVICE, facts,
     )
 
@@ -342,8 +356,9 @@ def _progressing_verdict(f: Facts) -> Verdict:
     return Verdict(
         VerdictKind.PROGRESSING, C.PROGRESSING_LIVE,
         f"Serving: {g.rate or 0:.1f} tokens/s, {f.running:.0f} running, {f.waiting:.0f} waiting.",
-        "live_progressing", present(counter_evidence(f), metrics_evidence(f, "gauges at the last scrape"), engine_cpu_evidence(f),
-                                    cpu_wait_evidence(f)),
+        "live_progressing",
+        present(counter_evidence(f), metrics_evidence(f, "gauges at the last scrape"), engine_cpu_evidence(f),
+                cpu_wait_evidence(f)),
         (), {"tokens_per_s": round(g.rate or 0, 2)},
     )
 

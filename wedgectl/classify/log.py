@@ -1,10 +1,12 @@
-"""The log rules: predicates over a vLLM server's log alone (stats, access, shutdown, failure lines), with their verdicts."""
+"""The log rules: predicates over a vLLM server's log alone (stats, access, shutdown, failure lines), with their
+verdicts."""
 
 from __future__ import annotations
 
 from wedgectl.classify import confidence as C
 from wedgectl.classify.collective import STEP_TIMEOUT_RULE
-from wedgectl.classify.evidence import STARVED_ADVICE, failure_evidence, fmt_duration, log_stamp, message, stats_evidence
+from wedgectl.classify.evidence import (STARVED_ADVICE, failure_evidence, fmt_duration, log_stamp, message,
+                                        stats_evidence)
 from wedgectl.classify.facts import LOG_SILENCE_S, STATS_INTERVAL_S, Facts, slope_per_s
 from wedgectl.classify.rule import Rule
 from wedgectl.classify.startup import LOG_STARTUP_RULE, phase_lines, startup_state
@@ -28,8 +30,11 @@ def _engine_dead_verdict(f: Facts) -> Verdict:
     ev = [failure_evidence(line) for line in f.failures_of(*_DEAD_KINDS)[:3]]
     shm = f.shm_warnings
     if shm:
-        ev.insert(0, Evidence("log", f"{len(shm)} 'No available shared memory broadcast block' warning(s) before: a worker stopped answering",
-                              t=log_stamp(shm[0].t), values={"line": shm[0].lineno}))
+        ev.insert(0,
+                  Evidence("log",
+                           f"{len(shm)} 'No available shared memory broadcast block' warning(s) before: a worker "
+                           "stopped answering",
+                           t=log_stamp(shm[0].t), values={"line": shm[0].lineno}))
     return Verdict(
         VerdictKind.ENGINE_DEAD, C.ENGINE_DEAD_LOG,
         "The engine died (EngineDeadError); requests fail until the server restarts.",
@@ -56,8 +61,10 @@ def _shutdown_hang_verdict(f: Facts) -> Verdict:
     ev = [Evidence("log", f"shutdown began: {message(began.text)[:120]}", t=log_stamp(began.t),
                    values={"line": began.lineno, "kind": began.kind})]
     if waiting is not None:
-        ev.append(Evidence("log", "uvicorn: Waiting for connections to close (no bound)", values={"line": waiting.lineno}))
-    ev.append(Evidence("log", "no 'Finished server process' after it", values={"last_line": f.log.n_lines if f.log else None}))
+        ev.append(Evidence("log", "uvicorn: Waiting for connections to close (no bound)",
+                           values={"line": waiting.lineno}))
+    ev.append(Evidence("log", "no 'Finished server process' after it",
+                       values={"last_line": f.log.n_lines if f.log else None}))
     return Verdict(
         VerdictKind.SHUTDOWN_HANG, C.SHUTDOWN_LOG_WAITING if waiting is not None else C.SHUTDOWN_LOG,
         "Shutdown began and the log never says the server finished exiting.",
@@ -108,13 +115,16 @@ def _engine_deadlock_verdict(f: Facts) -> Verdict:
     ev = [
         stats_evidence(s, "the last stats line: requests running, generation at %.1f tokens/s" % s.gen_tps),
         Evidence("log", what + f" while {n_after} GET /metrics were answered 200",
-                 values={"scrapes_after": n_after, "scrape_period_s": f.scrape_period_s, "silent_s": facts.get("engine_silent_s")}),
+                 values={"scrapes_after": n_after, "scrape_period_s": f.scrape_period_s,
+                         "silent_s": facts.get("engine_silent_s")}),
     ]
     if len(f.stats) >= 2:
         prev = f.stats[-2]
         ev.insert(0, stats_evidence(prev, "before it: %.1f tokens/s" % prev.gen_tps))
     if shm:
-        ev.append(Evidence("log", f"'No available shared memory broadcast block' x{len(shm)}: a worker stopped answering", values={"line": shm[0].lineno}))
+        ev.append(Evidence("log",
+                           f"'No available shared memory broadcast block' x{len(shm)}: a worker stopped answering",
+                           values={"line": shm[0].lineno}))
     if not _deadlock_silent(f):
         confidence = C.DEADLOCK_LOG_ZERO_INTERVAL
     else:
@@ -179,8 +189,10 @@ def _admission_wedge_verdict(f: Facts) -> Verdict:
         ev.insert(0, stats_evidence(first, f"{len(held)} stats lines in a row{span}: 0 running, requests waiting"
                                     + (f"; the {printed:.1f} tokens/s printed is an interval average: nothing runs"
                                        if printed > 0 else "")))
-    advice = (("Confirm live: `wedgectl diagnose --pid PID` (waiting by reason deferred: paused sessions hold the slots).",
-               "End the idle sessions or raise --max-num-seqs above the sessions held open.") if reason == "deferred" else
+    advice = (("Confirm live: `wedgectl diagnose --pid PID` (waiting by reason deferred: paused sessions hold the "
+               "slots).",
+               "End the idle sessions or raise --max-num-seqs above the sessions held open.") if reason == "deferred"
+              else
               ("Confirm live: `wedgectl diagnose --pid PID` (EngineCore spinning, waiting by reason capacity).",
                "Size the KV pool above max_model_len, or run the patched engine, which fails such requests at once."))
     return Verdict(
@@ -224,19 +236,22 @@ def _starved_verdict(f: Facts) -> Verdict:
         stats_evidence(first, f"{first.waiting} waiting behind {first.running} running"),
         stats_evidence(s, f"still {s.waiting} waiting; generation {s.gen_tps:.1f} tokens/s; no prompt tokens admitted"),
     ]
+    to_full: float | None = None
     if kv_rate is not None:
         per_min = kv_rate * 60
         facts["kv_growth_pct_per_min"] = round(per_min, 2)
         if kv_rate > 0:
-            facts["seconds_to_kv_full"] = round((100 - s.kv_usage_pct) / kv_rate, 0)
+            to_full = facts["seconds_to_kv_full"] = round((100 - s.kv_usage_pct) / kv_rate, 0)
         span = timed[-1][0] - timed[0][0]
         ev.append(Evidence("log", f"KV cache {timed[0][1]:.1f}% -> {s.kv_usage_pct:.1f}% over {fmt_duration(span)}: "
-                           f"+{per_min:.2f} %/min" + (f", full in ~{fmt_duration(facts['seconds_to_kv_full'])}" if kv_rate > 0 else ""),
-                           values={"kv_growth_pct_per_min": round(per_min, 2), "seconds_to_kv_full": facts.get("seconds_to_kv_full")}))
+                           f"+{per_min:.2f} %/min"
+                           + (f", full in ~{fmt_duration(to_full)}" if to_full is not None else ""),
+                           values={"kv_growth_pct_per_min": round(per_min, 2),
+                                   "seconds_to_kv_full": facts.get("seconds_to_kv_full")}))
     return Verdict(
         VerdictKind.STARVED, C.STARVED_LOG,
         f"Not a hang: {s.running} request(s) generate {s.gen_tps:.1f} tokens/s while {s.waiting} wait for KV capacity"
-        + (f"; KV full in ~{fmt_duration(facts['seconds_to_kv_full'])}." if "seconds_to_kv_full" in facts else "."),
+        + (f"; KV full in ~{fmt_duration(to_full)}." if to_full is not None else "."),
         "log_starved", tuple(ev), STARVED_ADVICE, facts,
     )
 
@@ -321,7 +336,8 @@ def _never_asked_verdict(f: Facts) -> Verdict:
     probes = len(f.log.access)
     timed = quiet is not None and quiet >= 2 * STATS_INTERVAL_S
     ev = [Evidence("log", "started, then no stats line and no inference request"
-                   + (f": quiet {fmt_duration(quiet)}" if quiet is not None else ": how long, the log's stamps cannot say"),
+                   + (f": quiet {fmt_duration(quiet)}" if quiet is not None
+                      else ": how long, the log's stamps cannot say"),
                    values={"quiet_s": None if quiet is None else round(quiet, 1), "probes_answered": probes}),
           Evidence("log", f"{probes} probe(s) answered since (GET /health, /metrics): the server is up",
                    values={"probes": probes})]

@@ -44,7 +44,8 @@ def _holds(p: ProcessSample) -> str:
     if p.rss_bytes is not None:
         parts.append(f"RSS {p.rss_bytes / 2**20:.0f} MiB")
     parts.append(f"listening on {_few(p.listening)}" if p.listening else "no listening port")
-    parts.append("accelerator: " + ", ".join(p.devices) if p.devices else "accelerator memory: not visible (no device held)")
+    parts.append("accelerator: " + ", ".join(p.devices) if p.devices
+                 else "accelerator memory: not visible (no device held)")
     return "; ".join(parts)
 
 
@@ -63,7 +64,9 @@ def _orphan_verdict(f: Facts) -> Verdict:
                            values={"pid": p.pid, "role": p.role.value, "rss_bytes": p.rss_bytes,
                                    "listening": list(p.listening), "devices": list(p.devices)}))
     if f.engine_cores is not None:
-        ev.append(Evidence("proc", f"engine used {f.engine_cores:.2f} cores over the window: it waits for requests no one can send",
+        ev.append(Evidence("proc",
+                           f"engine used {f.engine_cores:.2f} cores over the window: it waits for requests no one can "
+                           "send",
                            values={"cores": round(f.engine_cores, 3)}))
     if f.log is not None and f.log.shutdown == () and f.log.n_lines:
         ev.append(Evidence("log", "the log ends without any shutdown line: the API server was killed, not stopped",
@@ -102,7 +105,8 @@ def _orphan_verdict(f: Facts) -> Verdict:
     )
     return Verdict(
         VerdictKind.ORPHANED_ENGINE, C.ORPHAN_REPARENTED if reparented else C.ORPHAN_NO_API,
-        f"The API server is gone; {len(procs)} engine process(es) live on (pids {' '.join(map(str, pids))}) holding {held}.",
+        f"The API server is gone; {len(procs)} engine process(es) live on (pids {' '.join(map(str, pids))}) holding "
+        f"{held}.",
         "live_orphaned_engine", tuple(ev), advice, facts,
     )
 

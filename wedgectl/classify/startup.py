@@ -122,7 +122,8 @@ def stack_phase(f: Facts) -> StackPhase | None:
         if dump is None:
             continue
         for thread in dump.threads:
-            for frame, name in zip(stk.frame_names(thread), (stk.base_name(x.get("name")) for x in thread.get("frames") or ())):
+            for frame, name in zip(stk.frame_names(thread),
+                                   (stk.base_name(x.get("name")) for x in thread.get("frames") or ())):
                 if name in _PHASE_FRAMES:
                     return StackPhase(p.pid, p.role, _PHASE_FRAMES[name], frame)
                 if "torch/_dynamo" in frame or "torch/_inductor" in frame:
@@ -231,11 +232,14 @@ def _startup_verdict(f: Facts, live: bool) -> Verdict:
                                values={"cores": round(f.engine_cores, 3), "parked_below": PARKED_CORES}))
     if s.last_line is not None:
         ev.append(Evidence("log", f"last start-up line: {message(s.last_line.text)[:120]}",
-                           t=log_stamp(s.last_line.t), values={"line": s.last_line.lineno, "phase_after": s.last_line.phase}))
+                           t=log_stamp(s.last_line.t),
+                           values={"line": s.last_line.lineno, "phase_after": s.last_line.phase}))
     if s.quiet_s is not None:
-        ev.append(Evidence("log", f"no start-up progress in the log for {fmt_duration(s.quiet_s)}", values={"quiet_s": round(s.quiet_s, 1)}))
+        ev.append(Evidence("log", f"no start-up progress in the log for {fmt_duration(s.quiet_s)}",
+                           values={"quiet_s": round(s.quiet_s, 1)}))
     if f.shm_warnings:
-        ev.append(Evidence("log", f"vLLM's own 'No available shared memory broadcast block found' x{len(f.shm_warnings)}: "
+        ev.append(Evidence("log",
+                           f"vLLM's own 'No available shared memory broadcast block found' x{len(f.shm_warnings)}: "
                            "the EngineCore waits on a worker that does not answer",
                            t=log_stamp(f.shm_warnings[-1].t), values={"count": len(f.shm_warnings)}))
     if s.stack is not None:
@@ -248,12 +252,16 @@ def _startup_verdict(f: Facts, live: bool) -> Verdict:
     elif stuck >= STARTUP_DEADLINE_S and not f.engine_parked:
         confidence = C.STARTUP_PAST_DEADLINE
     else:
-        confidence = C.STARTUP_PARKED_CORROBORATED if s.stack is not None and s.last_line is not None else C.STARTUP_PARKED
+        corroborated = s.stack is not None and s.last_line is not None
+        confidence = C.STARTUP_PARKED_CORROBORATED if corroborated else C.STARTUP_PARKED
     pids = " ".join(str(p.pid) for p in f.last_processes)
     advice = [
-        f"It will not finish by itself: vLLM waits for this with no deadline. Stop the whole tree ({pids or 'the API server and its engine processes'}), "
+        "It will not finish by itself: vLLM waits for this with no deadline. Stop the whole tree "
+        f"({pids or 'the API server and its engine processes'}), "
         "not only the API server, or its engine processes live on as orphans holding memory and the device.",
-        _PHASE_ADVICE.get(s.phase, "Capture native stacks (`wedgectl diagnose --pid PID --native`): the innermost frame names what it waits on."),
+        _PHASE_ADVICE.get(s.phase,
+                          "Capture native stacks (`wedgectl diagnose --pid PID --native`): the innermost frame names "
+                          "what it waits on."),
         "Bound start-up: the patched engine fails it with a clear error after WEDGE_ENGINE_STARTUP_S; "
         "in Kubernetes a startupProbe on /health does the same from outside.",
     ]
@@ -268,15 +276,21 @@ def _startup_verdict(f: Facts, live: bool) -> Verdict:
 
 
 _PHASE_ADVICE = {
-    WEIGHT_LOADING: "Weight loading: check the checkpoint's storage (a hung network mount shows the Worker in state D); "
+    WEIGHT_LOADING: "Weight loading: check the checkpoint's storage (a hung network mount shows the Worker in state "
+                    "D); "
                     "copy the weights to local disk.",
-    TORCH_COMPILE: "torch.compile: try --enforce-eager (or -cc.mode=none) to confirm, then check VLLM_CACHE_ROOT's compile cache.",
-    WARM_UP: "Graph capture / warm-up: retry with --enforce-eager; with several GPUs set NCCL_DEBUG=INFO, a peer that never "
+    TORCH_COMPILE: "torch.compile: try --enforce-eager (or -cc.mode=none) to confirm, then check VLLM_CACHE_ROOT's "
+                   "compile cache.",
+    WARM_UP: "Graph capture / warm-up: retry with --enforce-eager; with several GPUs set NCCL_DEBUG=INFO, a peer that "
+             "never "
              "joins a collective holds every rank here.",
-    KV_PROFILING: "KV cache profiling: another process may hold the device (`wedgectl diagnose` on an orphaned engine); "
+    KV_PROFILING: "KV cache profiling: another process may hold the device (`wedgectl diagnose` on an orphaned "
+                  "engine); "
                   "lower --gpu-memory-utilization or set --num-gpu-blocks-override.",
-    DEVICE_INIT: "Device / distributed init: a rank that never joins (wrong MASTER_ADDR, a firewall, a dead peer) holds the others.",
-    ENGINE_INIT: "The engine core never reported ready: read the EngineCore and Worker lines of the log, then their stacks.",
+    DEVICE_INIT: "Device / distributed init: a rank that never joins (wrong MASTER_ADDR, a firewall, a dead peer) "
+                 "holds the others.",
+    ENGINE_INIT: "The engine core never reported ready: read the EngineCore and Worker lines of the log, then their "
+                 "stacks.",
 }
 
 
@@ -308,11 +322,13 @@ def log_startup_hang(f: Facts) -> bool:
 def log_startup_verdict(f: Facts) -> Verdict:
     v = _startup_verdict(f, live=False)
     return Verdict(v.verdict, v.confidence, v.summary, v.rule, v.evidence,
-                   ("Check the server's pid still lives, then `wedgectl diagnose --pid PID`: stacks name the phase for sure.",
+                   ("Check the server's pid still lives, then `wedgectl diagnose --pid PID`: stacks name the phase for "
+                    "sure.",
                     *v.advice), v.facts)
 
 
 LIVE_STARTUP_RULE = Rule(live_startup_hang, live_startup_verdict)
 LOG_STARTUP_RULE = Rule(log_startup_hang, log_startup_verdict)
 
-__all__ = ["LIVE_STARTUP_RULE", "LOG_STARTUP_RULE", "STARTUP_DEADLINE_S", "STARTUP_QUIET_S", "phase_lines", "startup_state"]
+__all__ = ["LIVE_STARTUP_RULE", "LOG_STARTUP_RULE", "STARTUP_DEADLINE_S", "STARTUP_QUIET_S", "phase_lines",
+           "startup_state"]

@@ -1,4 +1,5 @@
-"""The eBPF collector: runs the probes (wedgectl.probes) on a process tree, bounded in time, with rawtp, bcc, bpftrace or /proc.
+"""The eBPF collector: runs the probes (wedgectl.probes) on a process tree, bounded in time, with rawtp, bcc,
+bpftrace or /proc.
 
 It picks a back-end at run time and says why (collect/ebpfhost.py), composes
 one program from the probes asked for, filters it to the target pids in the
@@ -39,7 +40,8 @@ from wedgectl.lifecycle import signal_child
 from wedgectl.probes import ALL_PROBES, DEFAULT_MIN_WAIT_MS, DEFAULT_PROBES, load_probe
 from wedgectl.probes._window import Maps, Window, parse_bpftrace_output, rounded
 from wedgectl.types import (
-    BackendStatus, CollectorFailure, FailureKind, ProbeBackend, ProbeMode, ProbeRecord, ProbeResult, ProbeSkip, ThreadProbe,
+    BackendStatus, CollectorFailure, FailureKind, ProbeBackend, ProbeMode, ProbeRecord, ProbeResult, ProbeSkip,
+    ThreadProbe,
 )
 
 COLLECTOR = "ebpf"
@@ -118,7 +120,8 @@ static inline u64 t_begin_ns(void)
 
 def bcc_program(probes: Sequence[str], pids: Iterable[int], max_entries: int | None = None, *,
                 min_wait_s: float = MIN_WAIT_S) -> str:
-    """The BPF C text for bcc: a shared window start (t_begin, set from user space once attached) and each probe's maps and functions."""
+    """The BPF C text for bcc: a shared window start (t_begin, set from user space once attached) and each probe's
+    maps and functions."""
     pred = pid_predicate(pids)
     text = f"// wedgectl probes: {', '.join(probes)}; pids {sorted(set(pids))}\n" + BCC_PRELUDE
     for name in probes:
@@ -391,7 +394,8 @@ class ProbeRun:
         return ""
 
     def _teardown(self, grace: float | None = None) -> bool:
-        """Detach: SIGINT (bpftrace and the bcc runner print their maps and exit), SIGKILL after grace. True if clean."""
+        """Detach: SIGINT (bpftrace and the bcc runner print their maps and exit), SIGKILL after grace. True if
+        clean."""
         grace = STOP_TIMEOUT_S if grace is None else grace
         clean = True
         if self._raw is not None:
@@ -461,7 +465,8 @@ class ProbeRun:
         end_read_at = time.monotonic()
         if (raw := self._raw) is not None:
             try:
-                ends = {tid: (st.futex_addr if st.in_futex_wait else None, st.oncpu_ns) for tid, st in end_states.items()}
+                ends = {tid: (st.futex_addr if st.in_futex_wait else None,
+                              st.oncpu_ns) for tid, st in end_states.items()}
                 maps = raw.read(ends)
             except OSError as exc:
                 self._fall_back(f"rawtp's counts could not be read: {exc}")
@@ -476,7 +481,8 @@ class ProbeRun:
         if self._stderr is not None:
             with contextlib.suppress(OSError):
                 self._stderr.close()
-        offsets = procfs.sched_clock_offsets({s.cpu for s in end_states.values() if s.cpu is not None}, self.proc_root) \
+        offsets = procfs.sched_clock_offsets({s.cpu for s in end_states.values() if s.cpu is not None},
+                                             self.proc_root) \
             if self.proc_root == PROC else {}
         w = Window(begin=self._begin, end=end, start_states=self._start_states, end_states=end_states,
                    end_read_at=end_read_at, offsets=offsets, wall_offset=time.time() - time.monotonic(),

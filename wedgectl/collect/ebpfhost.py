@@ -143,7 +143,8 @@ def bcc_python_path(host: Host = Host()) -> Path | None:
     spec = importlib.util.find_spec("bcc") if host.root == Path("/") else None
     if spec is not None and spec.origin:
         return Path(spec.origin).parent.parent
-    for d in sorted((host.root / "usr/lib").glob("python3*/*-packages")) + [host.root / "usr/lib/python3/dist-packages"]:
+    debian = host.root / "usr/lib/python3/dist-packages"
+    for d in sorted((host.root / "usr/lib").glob("python3*/*-packages")) + [debian]:
         if (d / "bcc" / "__init__.py").exists():
             return d
     return None

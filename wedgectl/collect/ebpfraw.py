@@ -46,7 +46,8 @@ A slot is tid % modulus, the modulus picked so that the threads present at the a
 get their own; a thread that appears later and lands on a slot another holds goes uncounted,
 and is reported (read(): "slot_lost"; its waits read as unknown). Limits: prev_sum_exec_runtime
 is the fair class's, so a real-time thread's "now" runs ahead and its waits are not counted
-("clocks disagree") or counted short; a wait split inside one syscall (a spurious wake-up, a restart) counts as two, or, if
+("clocks disagree") or counted short; a wait split inside one syscall (a spurious wake-up, a restart) counts as two,
+or, if
 resumed through restart_syscall, not at all.
 """
 
@@ -75,7 +76,8 @@ PROBES = ("futexwait", "offcpu")
 
 BPF_MAP_CREATE, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_PROG_LOAD, BPF_RAW_TRACEPOINT_OPEN = 0, 1, 2, 5, 17
 BPF_PROG_GET_NEXT_ID, BPF_PROG_GET_FD_BY_ID, BPF_OBJ_GET_INFO_BY_FD, BPF_ENABLE_STATS = 11, 13, 15, 32
-PROG_INFO_SIZE, PROG_INFO_RUN_TIME = 216, 192  # struct bpf_prog_info up to recursion_misses; run_time_ns, run_cnt at 192
+# struct bpf_prog_info up to recursion_misses; run_time_ns, run_cnt at 192
+PROG_INFO_SIZE, PROG_INFO_RUN_TIME = 216, 192
 BPF_MAP_TYPE_ARRAY = 2
 BPF_PROG_TYPE_RAW_TRACEPOINT = 17
 ATTR_SIZE = 128  # union bpf_attr, zero-padded: the kernel reads the fields it knows
@@ -287,7 +289,8 @@ def attached(tracepoints: tuple[str, ...], code: bytes = EMPTY) -> Iterator[None
 
 def prog_ids() -> list[int]:
     """The ids of every BPF program loaded on the host, any loader's."""
-    ids, at = [], 0
+    ids: list[int] = []
+    at = 0
     while True:
         attr = ctypes.create_string_buffer(struct.pack("<III", at, 0, 0), ATTR_SIZE)
         try:

@@ -656,7 +656,8 @@ def sample_process(
     if stat is None and any(f.kind is FailureKind.GONE for f in stat_failures):
         return ProcessSample(pid=pid, ppid=0, role=role, name="", state=""), tuple(failures)
 
-    name, cmdline = (stat.comm if stat else ""), ()
+    name = stat.comm if stat else ""
+    cmdline: tuple[str, ...] = ()
     try:
         name, argv = name_cmdline(pid, proc_root, timeout, stat)
         cmdline = tuple(redact_argv(argv))  # redacted at capture: bundles never hold secrets

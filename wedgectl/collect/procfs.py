@@ -428,7 +428,7 @@ class ThreadMemo:
         one). Raises as _read_text does: FileNotFoundError or ProcessLookupError once it is gone."""
         held = self._fds.get(pid, {}).get(tid)
         fd = held.get(path) if held is not None else None
-        if fd is not None:
+        if held is not None and fd is not None:
             try:
                 return os.pread(fd, 65536, 0).decode("utf-8", "replace")
             except OSError:  # the thread exited (or the tid was reused): open the path afresh
@@ -587,7 +587,8 @@ def read_threads(
         try:
             for name in names:
                 try:
-                    texts[name] = _read_text(tdir + name) if unchanged is None else unchanged.read(pid, tid, tdir + name)
+                    texts[name] = _read_text(tdir + name) if unchanged is None else unchanged.read(pid, tid,
+                                                                                                   tdir + name)
                 except PermissionError:
                     if name == "stat":
                         raise

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from wedgectl.collect._failures import permission_hint
 from wedgectl.lifecycle import run_bounded
-from wedgectl.stacks import frame_names  # re-exported: one reading of py-spy frames
+from wedgectl.stacks import frame_names  # noqa: F401 - re-exported: one reading of py-spy frames
 from wedgectl.types import CollectorFailure, FailureKind, StackDump
 
 COLLECTOR = "pyspy"
@@ -122,7 +122,8 @@ def dump_stacks(
     try:
         proc = runner(cmd, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
-        return StackDump(pid, time.time(), native, error=_error(FailureKind.TIMEOUT, f"py-spy gave no dump in {timeout:.1f}s"))
+        return StackDump(pid, time.time(), native,
+                         error=_error(FailureKind.TIMEOUT, f"py-spy gave no dump in {timeout:.1f}s"))
     except FileNotFoundError:
         return StackDump(pid, time.time(), native, error=_error(FailureKind.MISSING_TOOL, f"cannot execute {exe}"))
     except PermissionError as exc:

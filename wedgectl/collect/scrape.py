@@ -136,7 +136,8 @@ def _connect(url: str, timeout: float) -> tuple[socket.socket, bytes]:
     connect_s = min(timeout, CONNECT_S)
     # An ASCII host goes to getaddrinfo as bytes: a str one is IDNA-encoded first, and that
     # codec's first use imports stringprep and unicodedata (3 ms of CPU, for "127.0.0.1").
-    sock = socket.create_connection((host.encode() if host.isascii() else host, port or default), timeout=connect_s)
+    address = (host.encode() if host.isascii() else host, port or default)
+    sock = socket.create_connection(address, timeout=connect_s)  # type: ignore[arg-type]  # getaddrinfo takes bytes
     try:
         if scheme == "https":
             sock = _tls().wrap_socket(sock, server_hostname=host)
@@ -334,7 +335,7 @@ def _decode(body: bytes, charset: str | None) -> tuple[str | None, str | None]:
     codec = codec_for(charset)
     if codec is None:
         return None, (f"{FailureKind.BAD_DATA.value}: not Prometheus metrics: charset "
-                      f"{ascii(charset[:MAX_CHARSET])} (utf-8, ascii or latin-1 only)")
+                      f"{ascii((charset or '')[:MAX_CHARSET])} (utf-8, ascii or latin-1 only)")
     try:
         return body.decode(codec), None
     except UnicodeDecodeError as exc:
@@ -400,7 +401,7 @@ def scrape_metrics(url: str, timeout: float = 2.0, max_bytes: int = MAX_BODY_BYT
     finally:
         if sock is not None:
             sock.close()
-    if error is not None:
+    if error is not None or text is None:  # _decode gives one of the two
         return _done(url, start, status, error=error)
     if "\x00" in text:
         return _done(url, start, status, error=f"{FailureKind.BAD_DATA.value}: body contains NUL bytes")
@@ -408,7 +409,8 @@ def scrape_metrics(url: str, timeout: float = 2.0, max_bytes: int = MAX_BODY_BYT
     return _done(url, start, status, text=text, error=error)
 
 
-def _done(url: str, start: float, status: int | None, text: str | None = None, error: str | None = None) -> MetricsScrape:
+def _done(url: str, start: float, status: int | None, text: str | None = None,
+          error: str | None = None) -> MetricsScrape:
     return MetricsScrape(
         t=time.time(), url=redact_url(url), status=status, text=text, elapsed_s=time.monotonic() - start, error=error
     )
@@ -421,7 +423,8 @@ def probe_health(base_url: str, timeout: float = 2.0) -> tuple[int | None, str |
     try:
         url = health_url_for(base_url)
         sock, request = _connect(url, timeout)
-        return _get(sock, request, time.monotonic() + timeout, body=False).status, None  # the body is not needed: don't wait for it
+        # the body is not needed: don't wait for it
+        return _get(sock, request, time.monotonic() + timeout, body=False).status, None
     except Exception as exc:  # noqa: BLE001
         return None, _error_for(exc, timeout, sock is not None)
     finally:

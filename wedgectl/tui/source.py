@@ -16,7 +16,7 @@ import resource
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -277,12 +277,14 @@ def swap_available() -> bool:
         return False
 
 
-def swap_target(pid: int, say: Callable[[str], None], plan: object | None = None) -> tuple[str, int | None, bool]:
-    """Run wedgectl.swap.swap_deployment(pid) (on the `plan` shown, if any): (what happened, the new API server pid, ok)."""
+def swap_target(pid: int, say: Callable[[str], object], plan: object | None = None) -> tuple[str, int | None, bool]:
+    """Run wedgectl.swap.swap_deployment(pid) (on the `plan` shown, if any): (what happened, the new API server pid,
+    ok)."""
     mod = importlib.import_module("wedgectl.swap")
     fn = getattr(mod, "swap_deployment", None)
     if fn is None:
         return "swap not available in this build", None, False
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -295,4 +297,5 @@ def swap_target(pid: int, say: Callable[[str], None], plan: object | None = None
     message = getattr(result, "message", "") or ""
     if not ok:
         return f"swap failed: {message or 'see wedgectl swap --pid ' + str(pid)}", None, False
-    return f"swapped to the patched engine{f': new pid {new_pid}' if new_pid else ''}" + (f" ({message})" if message else ""), new_pid, True
+    return f"swapped to the patched engine{f': new pid {new_pid}' if new_pid else ''}" + (f" ({message})" if message
+                                                                                          else ""), new_pid, True

@@ -16,7 +16,7 @@ from textual import events
 from textual.binding import Binding
 from textual.geometry import Region, Size
 from textual.message import Message
-from textual.reactive import reactive, var
+from textual.reactive import var
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 from textual.widget import Widget
@@ -105,7 +105,7 @@ class FixedLines(BaseStyled):
 class VerdictBanner(FixedLines):
     """The live classifier's verdict, confidence and one-line reason."""
 
-    verdict: reactive[Verdict | None] = var(None)
+    verdict: var[Verdict | None] = var(None)
 
     _shown: tuple[str, ...] | None = None  # what the banner says: a new verdict saying the same is not drawn
 
@@ -138,7 +138,7 @@ class VerdictBanner(FixedLines):
 class StatusLine(FixedLines):
     """Target, freshness and what could not be reached."""
 
-    status: reactive[tuple[str, bool]] = var(("", True))
+    status: var[tuple[str, bool]] = var(("", True))
 
     def watch_status(self, status: tuple[str, bool]) -> None:
         text, reachable = status
@@ -157,7 +157,7 @@ class CounterPanel(BaseStyled):
 
     NAME_WIDTH = 16
     VALUE_WIDTH = 18
-    counters: reactive[tuple[CounterRow, ...]] = var(())
+    counters: var[tuple[CounterRow, ...]] = var(())
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -192,13 +192,15 @@ class CounterPanel(BaseStyled):
         if y >= len(self.counters):
             return Strip.blank(width, style)
         # the text watch_counters made for this line, unless the width changed since
-        text = self._texts[y] if width == self._width and y < len(self._texts) else self.line_text(self.counters[y], width)
+        text = self._texts[y] if width == self._width and y < len(self._texts) else self.line_text(self.counters[y],
+                                                                                                   width)
         key = (text, style)
         strip = self._strips.get(key)
         if strip is None:
             if len(self._strips) > 4 * max(8, len(self.counters)):
                 self._strips.clear()  # bounded: a long session's old lines go
-            strip = self._strips[key] = Strip([Segment(text, style)], cell_length=len(text)).extend_cell_length(width, style)
+            strip = self._strips[key] = Strip([Segment(text, style)], cell_length=len(text)).extend_cell_length(width,
+                                                                                                                style)
         return strip
 
 
@@ -289,7 +291,8 @@ class RowTable(ScrollView, BaseStyled, can_focus=True):
                     widths[i] = w
         self._widths = tuple(widths)
         target = keep if keep in self._keys else before if before in self._keys else None
-        self.cursor_row = self._keys.index(target) if target is not None else min(self.cursor_row, max(0, len(self._keys) - 1))
+        self.cursor_row = self._keys.index(target) if target is not None else min(self.cursor_row,
+                                                                                  max(0, len(self._keys) - 1))
         self.virtual_size = Size(1 + sum(self._widths) + self.GAP * len(self._widths), len(self._rows) + 1)
         self._drawn = keys = [self._shown(i) for i in range(len(self._rows))]
         live = set(keys)
@@ -409,7 +412,7 @@ class ProcessTable(RowTable):
 
     COLUMNS = ("PID", "ROLE", "RANK", "S", "CPU%", "THR", "RSS MB", "NAME")
     RIGHT = frozenset({0, 4, 5, 6})
-    entries: reactive[tuple[ProcessRow, ...]] = var((), init=False)
+    entries: var[tuple[ProcessRow, ...]] = var((), init=False)
     selected: int | None = None
 
     def watch_entries(self, rows: Sequence[ProcessRow]) -> None:
@@ -425,7 +428,7 @@ class ThreadTable(RowTable):
 
     COLUMNS = ("TID", "COMM", "S", "CPU%", "WCHAN", "SYSCALL", "FUTEX", "SHARE")
     RIGHT = frozenset({0, 3})
-    entries: reactive[tuple[ThreadRow, ...]] = var((), init=False)
+    entries: var[tuple[ThreadRow, ...]] = var((), init=False)
     selected: int | None = None
 
     def watch_entries(self, rows: Sequence[ThreadRow]) -> None:
@@ -498,7 +501,7 @@ class TextPane(ScrollView, BaseStyled, can_focus=True):
             return
         if width != self._wrap_width:
             self._wrapped = {}
-        wrapped = {}
+        wrapped: dict[tuple[object, ...], tuple[list[Text], list[tuple[object, ...]]]] = {}
         lines: list[Text] = []
         keys: list[tuple[object, ...]] = []
         for para in self._paras:
@@ -555,7 +558,7 @@ class TextPane(ScrollView, BaseStyled, can_focus=True):
 class StackView(TextPane):
     """The selected thread's Python stack, innermost frame first."""
 
-    lines: reactive[tuple[str, ...]] = var(())
+    lines: var[tuple[str, ...]] = var(())
 
     def watch_lines(self, lines: Sequence[str]) -> None:
         self.show([Text(line) for line in lines])
@@ -564,7 +567,7 @@ class StackView(TextPane):
 class EvidenceView(TextPane):
     """What the verdict rests on, and what to do next."""
 
-    verdict: reactive[Verdict | None] = var(None)
+    verdict: var[Verdict | None] = var(None)
 
     def watch_verdict(self, verdict: Verdict | None) -> None:
         if verdict is None:

@@ -1,7 +1,8 @@
 """`wedgectl watch`: every vLLM server on a host classified continuously, served to Prometheus and liveness probes.
 
 `targets` finds and samples the deployments (cheap ticks: one /metrics scrape and each
-process's CPU; full ticks: the sampler's /health, threads, sockets and stacks), `state` folds each target's verdicts into episodes
+process's CPU; full ticks: the sampler's /health, threads, sockets and stacks), `state` folds each target's verdicts
+into episodes
 and decides when to look closer (pure), `recorder` saves an evidence bundle at each
 episode's onset and rotates them, `exposition` serves /metrics (a prometheus_client
 Collector), /livez and /v1/targets, and `daemon` runs the loop.

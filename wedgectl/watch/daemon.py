@@ -208,7 +208,7 @@ class Watcher:
             self._share_budget()
         w.close()
         ended = tracker.close(time.time()) if tracker else None
-        if ended is not None:
+        if tracker is not None and ended is not None:
             self._ended(key, tracker, ended)
         self.say(f"stopped watching {w.name}: {why}")
 
@@ -301,7 +301,8 @@ class Watcher:
             return None
         opts = SamplerOptions(window_s=ONSET_WINDOW_S, interval_s=1.0, ebpf=self.options.ebpf,
                               scrape_timeout_s=self.options.scrape_timeout_s)
-        before = w.bundle("captured by wedgectl watch at an episode's onset", log_bytes=BUNDLE_LOG_BYTES, fresh_log=True)
+        before = w.bundle("captured by wedgectl watch at an episode's onset", log_bytes=BUNDLE_LOG_BYTES,
+                          fresh_log=True)
         try:
             # no log_path: capture finds the log through the process again, and reads it through its fd
             now = capture(pid=w.pid, url=None if w.pid else w.deployment.base_url, options=opts)

@@ -96,8 +96,8 @@ class WatchCollector(Collector):
                 episodes.add_metric([v.name, kind.value], float(v.episodes_total.get(kind, 0)))
         failures = CounterMetricFamily("wedgectl_collector_failures", "Reads a collector could not make, by why.",
                                        labels=["collector", "kind"])
-        for (collector, kind), n in sorted(snap.failures.items()):
-            failures.add_metric([collector, kind], float(n))
+        for (collector, why), n in sorted(snap.failures.items()):
+            failures.add_metric([collector, why], float(n))
         build = InfoMetricFamily("wedgectl_build", "The wedgectl that answers.", value={"version": __version__})
         targets = GaugeMetricFamily("wedgectl_targets", "Deployments under watch.", value=len(snap.targets))
         yield from (verdict, confidence, state, episodes, last, failures, build, targets, stale, kept, budget)
@@ -410,7 +410,7 @@ class Endpoint:
     @property
     def address(self) -> str:
         host, port = self.server.server_address[:2]
-        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+        return f"[{host!s}]:{port}" if ":" in str(host) else f"{host!s}:{port}"
 
     @property
     def url(self) -> str:

@@ -217,7 +217,8 @@ def health_failing(samples: Sequence[Sample]) -> bool:
         return False
     last = samples[-1]
     scrape_failed = last.metrics is not None and not last.metrics.ok
-    return (last.health_status is not None and last.health_status != 200) or last.health_error is not None or scrape_failed
+    return (last.health_status is not None
+            and last.health_status != 200) or last.health_error is not None or scrape_failed
 
 
 def process_gone(samples: Sequence[Sample]) -> bool:
@@ -232,7 +233,8 @@ def not_listening(samples: Sequence[Sample]) -> bool:
     Unreadable sockets (no CAP_SYS_PTRACE, connections None) say nothing."""
     if not samples:
         return False
-    return any(p.role is Role.API_SERVER and not p.listening and p.connections is not None for p in samples[-1].processes)
+    return any(p.role is Role.API_SERVER and not p.listening
+               and p.connections is not None for p in samples[-1].processes)
 
 
 TROUBLE_SIGNS = (frozen_with_work, waiting_not_draining, health_failing, process_gone, not_listening)

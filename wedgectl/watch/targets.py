@@ -243,7 +243,8 @@ class Watched:
                 failures.extend(f for f in fails if f.kind is not FailureKind.GONE)
                 continue
             procs.append(ProcessSample(pid=pid, ppid=stat.ppid, role=role, name=stat.comm, state=stat.state,
-                                       cpu_user_s=stat.utime_s, cpu_system_s=stat.stime_s, num_threads=stat.num_threads))
+                                       cpu_user_s=stat.utime_s, cpu_system_s=stat.stime_s,
+                                       num_threads=stat.num_threads))
         metrics = self._cheap.metrics(d.metrics_url, options.scrape_timeout_s) if d.metrics_url else None
         if metrics is not None and not metrics.ok:
             failures.append(CollectorFailure("metrics", failure_kind(metrics.error),

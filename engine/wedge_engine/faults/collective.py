@@ -78,7 +78,8 @@ def _is_worker(name: str | None = None) -> bool:
     return name.startswith("VllmWorker")
 
 
-def activate(environ: Mapping[str, str], cls: type | None = None, rank_of=_tp_rank, in_worker: bool | None = None) -> str:
+def activate(environ: Mapping[str, str], cls: type | None = None, rank_of=_tp_rank,
+             in_worker: bool | None = None) -> str:
     """Wrap `cls`._model_forward (default GPUModelRunner) in a worker; return what was patched."""
     after, rank = after_steps_from(environ), rank_from(environ)
     if not (_is_worker() if in_worker is None else in_worker):

@@ -118,7 +118,8 @@ def activate(environ: Mapping[str, str], cls: type | None = None,
         return schedule(self, *args, **kwargs)
 
     _patch.install(cls, "schedule", schedule, schedule_paced)
-    return f"{cls.__name__}.schedule paces decode so the longest request ends no sooner than {hold_s:g} s after its first token"
+    return (f"{cls.__name__}.schedule paces decode so the longest request ends no sooner than {hold_s:g} s "
+            "after its first token")
 
 
 def is_active() -> bool:

@@ -87,7 +87,8 @@ def activate(environ: Mapping[str, str], cls: type | None = None) -> str:
         return "already active"
     had_own = method in cls.__dict__
     _original.update(cls=cls, method=method, had_own=had_own, own=cls.__dict__.get(method),
-                     fallback=cls.__dict__[method] if had_own else (lambda self, *a, **k: getattr(self.worker, method)(*a, **k)))
+                     fallback=cls.__dict__[method] if had_own
+                     else (lambda self, *a, **k: getattr(self.worker, method)(*a, **k)))
     # WorkerWrapperBase passes most calls to its worker through __getattr__; a class attribute
     # of the same name is found first.
     setattr(cls, method, _stall_named(method))

@@ -115,7 +115,8 @@ def capacity_from(kv_cache_config: Any, num_blocks: int | None = None, context_p
 
 
 def capacity_of_manager(kv_cache_manager: Any) -> Capacity:
-    """Capacity from the scheduler's KVCacheManager: its per-group managers' block sizes are the ones it allocates by."""
+    """Capacity from the scheduler's KVCacheManager: its per-group managers' block sizes are the ones it
+    allocates by."""
     from vllm.v1.kv_cache_interface import is_full_attention_spec
 
     blocks = kv_cache_manager.block_pool.num_gpu_blocks

@@ -78,7 +78,8 @@ class EngineStatusCollector:
             return
         yield CounterMetricFamily("wedge_engine:steps", "EngineCore busy-loop steps (wedge_engine heartbeat).",
                                   value=snap.steps)
-        yield CounterMetricFamily("wedge_engine:model_steps", "EngineCore steps that scheduled tokens and ran the model.",
+        yield CounterMetricFamily("wedge_engine:model_steps",
+                                  "EngineCore steps that scheduled tokens and ran the model.",
                                   value=snap.model_steps)
         yield GaugeMetricFamily("wedge_engine:last_step_age_seconds",
                                 "Seconds since the EngineCore last finished a step; grows while it is blocked.",

@@ -65,7 +65,8 @@ def reap(llm: Any, request_id: str) -> bool:
     reaped.append(request_id)
     if _counter is not None:
         _counter.inc()
-    logger.warning("wedge_engine: reaper: client of request %s is gone; aborted it (%d reaped)", request_id, len(reaped))
+    logger.warning("wedge_engine: reaper: client of request %s is gone; aborted it (%d reaped)", request_id,
+                   len(reaped))
     return True
 
 

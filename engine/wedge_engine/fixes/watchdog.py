@@ -123,7 +123,8 @@ def describe_stall(snap: status.StatusSnapshot, stalled_s: float, in_flight: int
     step_age = max(0.0, (now - snap.last_step_ns) / 1e9)
     model_age = max(0.0, (now - snap.last_model_step_ns) / 1e9)
     if step_age <= max(2 * poll_s, 1.0):
-        how = f"spinning: the engine keeps stepping ({snap.steps} steps) but none has run the model for {model_age:.1f} s"
+        how = (f"spinning: the engine keeps stepping ({snap.steps} steps) "
+               f"but none has run the model for {model_age:.1f} s")
     else:
         how = f"blocked: no engine step at all for {step_age:.1f} s (last model step {model_age:.1f} s ago)"
     return (f"engine stalled: {in_flight} request(s) in flight or waiting and no model step or token completed "
@@ -363,7 +364,8 @@ def install_engine_recorders() -> bool:
         return wake_up
 
     done = False
-    for owner, name, make in ((Scheduler, "update_from_output", make_update), (Scheduler, "set_pause_state", make_pause),
+    for owner, name, make in ((Scheduler, "update_from_output", make_update),
+                              (Scheduler, "set_pause_state", make_pause),
                               (EngineCore, "sleep", make_sleep), (EngineCore, "wake_up", make_wake)):
         if hasattr(owner, name):  # an older vLLM without pause or sleep: the rest still counts
             done = patch_method(owner, name, make) or done
