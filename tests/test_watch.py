@@ -151,7 +151,7 @@ def test_target_names_are_node_port_model(monkeypatch):
 def test_served_model_prefers_the_served_name():
     assert served_model(["python", "_serve.py", "serve", "/m/tiny-llama/", "--served-model-name", "tiny"]) == "tiny"
     assert served_model(["vllm", "serve", "/models/Llama-3-8B", "--port", "8001"]) == "Llama-3-8B"
-    assert served_model(["python", "-m", "vllm.entrypoints.openai.api_server", "--model=x"]) is None
+    assert served_model(["python", "-m", "vllm.entrypoints.openai.api_server", "--model=x"]) == "x"
     assert served_model(["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "org/m"]) == "m"
 
 

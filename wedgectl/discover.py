@@ -1,15 +1,29 @@
-"""Finding the deployment: any pid (or a URL) to its process tree, roles, ports and metrics URL."""
+"""Finding the deployment: any pid (or a URL) to its process tree, roles, ports and metrics URL.
+
+Also what `diagnose`, `top` and `watch` say about a deployment the same way: the servers on the
+host (`find_servers`), the model a server serves (`served_model`), the manifest of a capture of it
+(`deployment_manifest`, its URL redacted) and how much of its log a verdict or a bundle reads.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from wedgectl import __version__
 from wedgectl.collect import processes, procfs, sockets
 from wedgectl.collect.scrape import metrics_url_for
 from wedgectl.errors import NoSuchProcess, NotVllm
-from wedgectl.redact import redact_argv
-from wedgectl.types import Role
+from wedgectl.redact import redact_argv, redact_url
+from wedgectl.sources import host_facts
+from wedgectl.types import Manifest, Role, Target
+
+# The server log's tail: what a verdict reads (diagnose's in-window verdicts, each refresh of top,
+# each evaluation of watch), and what a saved bundle keeps (diagnose's, top's save, watch's onset).
+VERDICT_LOG_BYTES = 256 << 10
+BUNDLE_LOG_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -92,3 +106,63 @@ def discover(pid: int | None = None, url: str | None = None) -> Deployment:
     log = processes.log_path_of(api if api is not None else tree[0].pid)
     return Deployment(tree[0].pid, api, roles, base, metrics_url_for(base) if base else None,
                       log.path if log else None, ticks, log)
+
+
+def served_model(argv: Iterable[str]) -> str | None:
+    """The model a vLLM server serves, as it labels its own series: the first --served-model-name
+    (vLLM takes several: the first is the label; the last flag given wins, as argparse has it), else
+    the last part of the model's path (`serve PATH`, `--model PATH`, `--model=PATH`). Read from the
+    argv redacted (redact_argv, which leaves a redacted argv as it is), so a secret never names a
+    target, and raw and already-redacted argvs name it alike. None when the argv names no model."""
+    args = redact_argv(argv)
+    served = flag = positional = None
+    for i, arg in enumerate(args):
+        nxt = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("-") else None
+        if arg == "--served-model-name":
+            served = nxt or served
+        elif arg.startswith("--served-model-name="):
+            served = arg.split("=", 1)[1] or served
+        elif arg == "--model":
+            flag = nxt or flag
+        elif arg.startswith("--model="):
+            flag = arg.split("=", 1)[1] or flag
+        elif arg == "serve" and positional is None:
+            positional = nxt or ""  # the subcommand: a later "serve" is some flag's value
+    if served:
+        return served
+    model = positional or flag  # `vllm serve PATH --model OTHER` serves PATH, as vLLM has it
+    return (os.path.basename(model.rstrip("/")) or None) if model else None
+
+
+def deployment_manifest(dep: Deployment, pid: int | None, notes: tuple[str, ...] = (),
+                        log_path: str | None = None) -> Manifest:
+    """The manifest of a capture of dep, as diagnose, top and watch write it: pid as the operator
+    named it (None for a URL), the URL without its user:password, the log's path (log_path when
+    given, as --log gives it), this host's facts."""
+    return Manifest(
+        created=time.time(),
+        wedgectl_version=__version__,
+        source="live" if dep.root_pid is not None else "url",
+        target=Target(pid=pid, url=redact_url(dep.base_url), log_path=log_path or dep.log_path, pids=dep.pids),
+        host=host_facts(),
+        notes=notes,
+    )
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """One vLLM API server found on this machine."""
+
+    pid: int
+    url: str | None
+    model: str  # served_model, or "?"
+    started: float
+    cmdline: str  # redacted
+
+
+def find_servers(scan: Callable[[], list[processes.ServerProcess]] = processes.api_servers) -> list[ServerInfo]:
+    """Every vLLM API server on the machine (the root of each deployment), oldest first: what top's
+    picker lists and what `watch` with no target watches."""
+    found = [ServerInfo(p.pid, base_url_from_listening(p.listening), served_model(p.argv) or "?",
+                        p.started, " ".join(p.argv)) for p in scan()]
+    return sorted(found, key=lambda s: s.started)

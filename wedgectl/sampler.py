@@ -18,36 +18,31 @@ from concurrent.futures import Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 
-from wedgectl import __version__
 from wedgectl.classify import Facts, classify, classify_facts
 from wedgectl.classify.facts import MIN_FROZEN_S, stepless_of
 from wedgectl.collect import processes, procfs, pyspy
 from wedgectl.collect.scrape import Scraper, failure_kind
-from wedgectl.discover import Deployment, discover, tree_roles
+from wedgectl.discover import BUNDLE_LOG_BYTES, VERDICT_LOG_BYTES, Deployment, deployment_manifest, discover, tree_roles
 from wedgectl.errors import BadMetrics, NoSuchProcess, Unreachable, WedgectlError
 from wedgectl.judged import judged_sample
 from wedgectl.metrics import MetricsParseError, parse_metrics
 from wedgectl.redact import redact_url
-from wedgectl.sources import LogSource, host_facts, read_log_lines, steal_facts
+from wedgectl.sources import LogSource, read_log_lines, steal_facts
 from wedgectl.types import (
     Bundle,
     CollectorFailure,
     FailureKind,
-    Manifest,
     MetricsScrape,
     ProcessSample,
     Role,
     Sample,
     StackDump,
-    Target,
     Verdict,
     VerdictKind,
 )
 
 CERTAIN = 0.9
 EXITED_NOTE = "the deployment exited mid-capture"
-LOG_TAIL_BYTES = 4 << 20
-DECIDE_LOG_BYTES = 256 << 10  # the tail the in-window verdicts read (read once); the bundle gets LOG_TAIL_BYTES
 BURST_GAP_S = 0.03
 DUMP_TIMEOUT_S = 5.0  # pyspy.dump_stacks' own timeout for one non-native dump
 ESCALATE_BURST = 3  # dumps of the EngineCore and each Worker once the cheap evidence leaves a hang open
@@ -423,7 +418,7 @@ def _summarise(s: Sample) -> str:
     return ", ".join(parts) or "no data"
 
 
-def _read_log(path: str | LogSource | None, max_bytes: int = LOG_TAIL_BYTES) -> tuple[tuple[str, ...], list[str]]:
+def _read_log(path: str | LogSource | None, max_bytes: int = BUNDLE_LOG_BYTES) -> tuple[tuple[str, ...], list[str]]:
     if not path:
         return (), []
     try:
@@ -689,17 +684,11 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
         notes.append(f"log: {log_path}")
     if dep.root_pid is None:
         notes.append("metrics-only evidence: no process was given (--pid)")
-    manifest = Manifest(
-        created=time.time(),
-        wedgectl_version=__version__,
-        source="live" if dep.root_pid is not None else "url",
-        target=Target(pid=pid, url=redact_url(dep.base_url), log_path=log_path, pids=dep.pids),
-        host=host_facts(),
-    )
+    manifest = deployment_manifest(dep, pid, log_path=log_path)
     # The hypervisor's steal over the capture, for a local target (a host fact: steal_facts).
     steal = (procfs.cpu_steal_s(), time.monotonic()) if dep.root_pid is not None else None
-    # The in-window verdicts read one tail of the log, read once; the bundle gets the longer tail.
-    decide_log = _read_log(log_source, DECIDE_LOG_BYTES)[0]
+    # The in-window verdicts read one tail of the log (VERDICT_LOG_BYTES), read once; the bundle gets the longer tail.
+    decide_log = _read_log(log_source, VERDICT_LOG_BYTES)[0]
     samples: list[Sample] = []
     judged: list[Sample] = []  # lean copies: the classifier re-reads every scrape after each sample
     pending: deque[_Pending] = deque()
@@ -783,7 +772,7 @@ def _capture(dep: Deployment, pid: int | None, url: str | None, log_path: str | 
                 probes.start(options.window_s - elapsed)
     # A stop leaves at most one scrape in flight: it is abandoned (its thread ends within the
     # scrape timeout), not waited for.
-    log_lines, log_notes = _read_log(log_source, LOG_TAIL_BYTES)
+    log_lines, log_notes = _read_log(log_source, BUNDLE_LOG_BYTES)
     notes += log_notes
     if options.stacks and not burst_taken and samples and samples[-1].processes and verdict is not None:
         # No burst was taken. "progressing", a live "starved" and an engine the host starves of

@@ -17,30 +17,37 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-from wedgectl import __version__
 from wedgectl.bundle import read_bundle, write_bundle_in
 from wedgectl.classify import classify
-from wedgectl.collect import processes
-from wedgectl.discover import Deployment, base_url_from_listening, discover
+from wedgectl.discover import (
+    BUNDLE_LOG_BYTES,
+    VERDICT_LOG_BYTES,
+    Deployment,
+    ServerInfo,
+    deployment_manifest,
+    discover,
+    find_servers,
+)
 from wedgectl.errors import WedgectlError
 from wedgectl.metrics import JUDGED_SERIES
-from wedgectl.redact import redact_text, redact_url
 from wedgectl.collect.scrape import Scraper
 from wedgectl.sampler import SamplerOptions, TreeCache, take_sample
-from wedgectl.sources import host_facts, read_log_lines
+from wedgectl.sources import read_log_lines
 from wedgectl.tui.model import Frame, ScrapedSample, build_frame, describe_target
-from wedgectl.types import Bundle, Manifest, Sample, Target
+from wedgectl.types import Bundle, Manifest, Sample
 
+__all__ = ["BundleSource", "Collector", "CpuMeter", "LiveSource", "ServerInfo", "find_servers", "save_bundle",
+           "swap_available", "swap_target"]  # ServerInfo, find_servers: discover's, where top's picker finds them
+
+TOP_NOTE = "captured by wedgectl top"
 WINDOW = 60  # samples kept for the sparklines: 2 min at the default refresh
 CLASSIFY_LAST = 10  # samples the live verdict rests on: 20 s at 2 s, longer than any rule's frozen threshold
 STACKS_EVERY = 5  # py-spy on every 5th refresh (and on request): it costs wedgectl CPU, not the target's
 STACKS_QUIET_S = 60.0  # while the verdict is healthy (idle, progressing): py-spy every 60 s instead
-LOG_EVERY = 5  # re-read the log tail every 5th refresh
-LIVE_LOG_BYTES = 256 << 10  # the live verdict reads the log's tail; a saved bundle gets the sampler's 4 MiB
-SAVE_LOG_BYTES = 4 << 20
+LOG_EVERY = 5  # re-read the log tail every 5th refresh (VERDICT_LOG_BYTES of it; a saved bundle, BUNDLE_LOG_BYTES)
 
 
 class LiveSource:
@@ -59,15 +66,7 @@ class LiveSource:
         # top to parse every refresh. A saved bundle holds those series.
         self.scraper = Scraper(options.scrape_timeout_s, series=JUDGED_SERIES)
         self.tree = TreeCache()  # the process tree walked every few seconds, not every refresh
-        self._manifest = Manifest(
-            created=time.time(),
-            wedgectl_version=__version__,
-            source="live" if deployment.root_pid is not None else "url",
-            target=Target(pid=pid, url=redact_url(deployment.base_url), log_path=deployment.log_path,
-                          pids=deployment.pids),
-            host=host_facts(),
-            notes=("captured by wedgectl top",),
-        )
+        self._manifest = deployment_manifest(deployment, pid, notes=(TOP_NOTE,))
 
     @classmethod
     def connect(cls, pid: int | None = None, url: str | None = None) -> LiveSource:
@@ -96,7 +95,7 @@ class LiveSource:
         except WedgectlError:
             return
         self.deployment = dep
-        self._manifest = replace(self._manifest, target=replace(self._manifest.target, url=dep.base_url, pids=dep.pids))
+        self._manifest = replace(self._manifest, target=deployment_manifest(dep, self.pid).target)
 
     def log_tail(self, max_bytes: int) -> tuple[str, ...]:
         log = self.deployment.log  # read through the process's descriptor, never by the path it shows
@@ -184,7 +183,7 @@ class Collector:
                 self._stacks_at = time.monotonic()
             sample = self.source.take(with_stacks, native)
             if self.ticks % self.log_every == 0:
-                self._log = self.source.log_tail(LIVE_LOG_BYTES)
+                self._log = self.source.log_tail(VERDICT_LOG_BYTES)
             self.ticks += 1
             with self._lock:
                 self._window.append(ScrapedSample.of(sample))
@@ -200,7 +199,7 @@ class Collector:
         """The window as an evidence bundle (full log tail), with the verdict over all of it."""
         with self._lock:
             samples = tuple(s.sample for s in self._window)
-        log = self.source.log_tail(SAVE_LOG_BYTES)
+        log = self.source.log_tail(BUNDLE_LOG_BYTES)
         b = Bundle(self.source.manifest(), samples, log)
         return replace(b, verdict=classify(b))
 
@@ -232,38 +231,6 @@ def save_bundle(bundle: Bundle, directory: Path) -> Path:
     names = itertools.chain([f"wedgectl-top-{stamp}.tar.gz"],
                             (f"wedgectl-top-{stamp}-{n}.tar.gz" for n in itertools.count(1)))
     return write_bundle_in(bundle, directory, names)
-
-
-# --------------------------------------------------------------- the picker
-
-
-@dataclass(frozen=True)
-class ServerInfo:
-    """One vLLM API server found on this machine."""
-
-    pid: int
-    url: str | None
-    model: str
-    started: float
-    cmdline: str
-
-
-def _model_of(cmdline: list[str]) -> str:
-    if "serve" in cmdline:
-        i = cmdline.index("serve")
-        if i + 1 < len(cmdline):
-            return cmdline[i + 1]
-    for i, arg in enumerate(cmdline):
-        if arg == "--model" and i + 1 < len(cmdline):
-            return cmdline[i + 1]
-    return "?"
-
-
-def find_servers(scan: Callable[[], list[processes.ServerProcess]] = processes.api_servers) -> list[ServerInfo]:
-    """Every vLLM API server on the machine (the root of each deployment), oldest first."""
-    found = [ServerInfo(p.pid, base_url_from_listening(p.listening), redact_text(_model_of(list(p.argv))),
-                        p.started, " ".join(p.argv)) for p in scan()]
-    return sorted(found, key=lambda s: s.started)
 
 
 # ----------------------------------------------------------------- the swap

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from wedgectl.classify import classify
 from wedgectl.collect.procfs import owner_uids
+from wedgectl.discover import BUNDLE_LOG_BYTES
 from wedgectl.errors import WedgectlError
 from wedgectl.sampler import SamplerOptions, capture
 from wedgectl.redact import printable, redact_text
@@ -21,7 +22,7 @@ from wedgectl.types import Bundle
 from wedgectl.watch.exposition import DEFAULT_LISTEN, Endpoint, Snapshot, WebConfig
 from wedgectl.watch.recorder import Rotation, check_bundle_dir, save_onset
 from wedgectl.watch.state import Episode, Escalation, Tracker, iso, queue_of
-from wedgectl.watch.targets import BUNDLE_LOG_BYTES, Spec, Watched, host_deployments, node_name
+from wedgectl.watch.targets import Spec, Watched, host_deployments, node_name
 
 ONSET_WINDOW_S = 6.0  # the onset bundle's own capture (stops early once certain), probes alongside
 MAX_WORKERS = 4  # targets sampled side by side; a slow one does not hold the others back

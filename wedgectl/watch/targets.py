@@ -10,24 +10,29 @@ from collections import deque
 from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
-from wedgectl import __version__
 from wedgectl.collect import processes, procfs, procread
 from wedgectl.collect.scrape import Scraper, failure_kind
-from wedgectl.discover import Deployment, discover, tree_roles
+from wedgectl.discover import (
+    VERDICT_LOG_BYTES,
+    Deployment,
+    deployment_manifest,
+    discover,
+    find_servers,
+    served_model,
+    tree_roles,
+)
 from wedgectl.errors import WedgectlError
 from wedgectl.judged import judged_sample
 from wedgectl.metrics import JUDGED_SERIES, MetricsParseError, parse_metrics
+from wedgectl.redact import redact_text
 from wedgectl.sampler import SamplerOptions, take_sample
-from wedgectl.sources import host_facts, read_log_lines
-from wedgectl.tui.source import find_servers
-from wedgectl.types import Bundle, CollectorFailure, FailureKind, Manifest, MetricsScrape, ProcessSample, Sample, Target
+from wedgectl.sources import read_log_lines
+from wedgectl.types import Bundle, CollectorFailure, FailureKind, Manifest, MetricsScrape, ProcessSample, Sample
 
 KEEP_S = 120.0  # evidence kept per target: the "before" of an onset bundle
 CLASSIFY_S = 30.0  # the verdict rests on the last 30 s: longer than any rule's frozen threshold
 MIN_CLASSIFY = 3  # samples, whatever the cadence: counter deltas need a few
-LIVE_LOG_BYTES = 256 << 10  # the verdict reads the log's tail; an onset bundle gets 4 MiB
-BUNDLE_LOG_BYTES = 4 << 20
-LOG_EVERY_S = 30.0  # re-read the log tail this often while healthy; every tick when escalated
+LOG_EVERY_S = 30.0  # re-read the log tail (VERDICT_LOG_BYTES) this often while healthy; every tick when escalated
 ROLES_EVERY_S = 60.0  # cheap ticks walk the process tree again this often
 _LOOPBACK = {"127.0.0.1", "::1", "localhost", "0.0.0.0", "::", ""}
 DEFAULT_BUDGET = 8 << 20  # a target's kept samples, in bytes, until the watcher shares out its own
@@ -48,22 +53,8 @@ def node_name() -> str:
     return os.environ.get("POD_NAME") or os.environ.get("HOSTNAME") or socket.gethostname()
 
 
-def served_model(cmdline: list[str] | tuple[str, ...]) -> str | None:
-    """--served-model-name, else the model `serve` was given (its last path part)."""
-    args = list(cmdline)
-    for i, arg in enumerate(args):
-        if arg == "--served-model-name" and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith("--served-model-name="):
-            return arg.split("=", 1)[1]
-    for i, arg in enumerate(args):
-        if arg in ("serve", "--model") and i + 1 < len(args) and not args[i + 1].startswith("-"):
-            return os.path.basename(args[i + 1].rstrip("/")) or None
-    return None
-
-
 def model_from_metrics(sample: Sample) -> str | None:
-    """The model_name label vLLM puts on its series."""
+    """The model_name label vLLM puts on its series, redacted as served_model redacts an argv's."""
     if sample.metrics is None or not sample.metrics.ok:
         return None
     try:
@@ -73,7 +64,7 @@ def model_from_metrics(sample: Sample) -> str | None:
     for rows in snap.samples.values():
         for labels, _ in rows:
             if labels.get("model_name"):
-                return labels["model_name"]
+                return redact_text(labels["model_name"])
     return None
 
 
@@ -168,11 +159,8 @@ class Watched:
         return processes.is_alive(pid)
 
     def manifest(self, note: str) -> Manifest:
-        d = self.deployment
-        return Manifest(created=time.time(), wedgectl_version=__version__,
-                        source="live" if d.root_pid is not None else "url",
-                        target=Target(pid=d.root_pid, url=d.base_url, log_path=d.log_path, pids=d.pids),
-                        host=host_facts(), notes=(note,))
+        """As diagnose and top write it (discover.deployment_manifest): the URL without its user:password."""
+        return deployment_manifest(self.deployment, self.deployment.root_pid, notes=(note,))
 
     def sample(self, full: bool, stacks: bool, options: SamplerOptions) -> Sample:
         """Take one sample and keep it: cheap (one /metrics scrape and each process's CPU), or full
@@ -261,18 +249,18 @@ class Watched:
         except WedgectlError:
             return
 
-    def log_tail(self, fresh: bool = False, max_bytes: int = LIVE_LOG_BYTES) -> tuple[str, ...]:
+    def log_tail(self, fresh: bool = False, max_bytes: int = VERDICT_LOG_BYTES) -> tuple[str, ...]:
         """The server log's tail, re-read at most every LOG_EVERY_S unless fresh."""
         log = self.deployment.log  # read through the process's descriptor, never by the path it shows
         if log is None:
             return ()
-        if not fresh and max_bytes == LIVE_LOG_BYTES and time.monotonic() - self._log_read < LOG_EVERY_S:
+        if not fresh and max_bytes == VERDICT_LOG_BYTES and time.monotonic() - self._log_read < LOG_EVERY_S:
             return self._log
         try:
             lines = read_log_lines(log, max_bytes=max_bytes)[0]
         except WedgectlError:
             lines = ()
-        if max_bytes == LIVE_LOG_BYTES:
+        if max_bytes == VERDICT_LOG_BYTES:
             self._log, self._log_read = lines, time.monotonic()
         return lines
 
@@ -286,7 +274,7 @@ class Watched:
             recent = list(self.samples)[-MIN_CLASSIFY:]
         return tuple(recent)
 
-    def bundle(self, note: str, full_window: bool = True, log_bytes: int = LIVE_LOG_BYTES,
+    def bundle(self, note: str, full_window: bool = True, log_bytes: int = VERDICT_LOG_BYTES,
                fresh_log: bool = False) -> Bundle:
         samples = tuple(self.samples) if full_window else self.window()
         return Bundle(self.manifest(note), samples, self.log_tail(fresh_log, log_bytes))
