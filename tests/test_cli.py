@@ -106,3 +106,78 @@ def test_a_live_capture_imports_no_general_purpose_client():
             "print(code, loaded, sorted(m for m in sys.modules if m.split('.')[0] in heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split(None, 2) == [str(exitcodes.UNREACHABLE), "True", "[]\n"], out.stdout + out.stderr
+
+
+# --- what a command imports: a cold start pays only for its own layer (issue 34) -----------------------
+
+# Installed here (a test below checks), and each used by one command only: the TUI (top), the exposition,
+# its web config and its basic auth (watch), and the rich help typer draws for --help.
+UI_AND_EXPOSITION = ("textual", "prometheus_client", "rich", "yaml", "bcrypt")
+
+_IN_PROCESS = """\
+import json, runpy, sys
+sys.argv = ['wedgectl', *json.loads(sys.argv[1])]
+code = 0
+try:
+    runpy.run_module('wedgectl', run_name='__main__')
+except SystemExit as e:
+    code = e.code
+sys.stderr.write('\\nIMPORTED ' + json.dumps([code, sorted(sys.modules)]) + '\\n')
+"""
+
+
+def run_counting_imports(*args: str) -> tuple[subprocess.CompletedProcess, int, list[str]]:
+    """`wedgectl ARGS` in a fresh interpreter: its output, its exit code, and every module it imported."""
+    r = subprocess.run([sys.executable, "-c", _IN_PROCESS, json.dumps(args)], capture_output=True, text=True,
+                       timeout=120)
+    report = [line for line in r.stderr.splitlines() if line.startswith("IMPORTED ")]
+    assert report, r.stdout + r.stderr
+    code, modules = json.loads(report[-1].removeprefix("IMPORTED "))
+    return r, code, modules
+
+
+def heavy_in(modules: list[str]) -> list[str]:
+    return sorted(m for m in modules if m.split(".")[0] in UI_AND_EXPOSITION)
+
+
+def test_the_heavy_libraries_are_installed_so_their_absence_means_something():
+    r = subprocess.run([sys.executable, "-c", "import importlib.util as u, sys; "
+                        "print([m for m in sys.argv[1:] if u.find_spec(m) is None])", *UI_AND_EXPOSITION],
+                       capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_a_json_diagnose_of_a_log_imports_no_ui_or_exposition_library():
+    r, code, modules = run_counting_imports("diagnose", "--log", str(LOGS / "progressing.log"), "--json")
+    assert code == 0, r.stderr
+    assert json.loads(r.stdout)["verdict"] == "progressing"
+    assert "wedgectl.classify" in modules and "wedgectl.render" in modules  # the whole diagnose ran here
+    assert heavy_in(modules) == []
+    assert not any(m.startswith(("wedgectl.tui", "wedgectl.watch", "wedgectl.sampler")) for m in modules), modules
+
+
+def test_a_json_diagnose_of_a_url_imports_no_ui_or_exposition_library():
+    # A real HTTP server on loopback answering with a /metrics page recorded from vLLM 0.32 (idle).
+    from hostile_metrics import HostileMetrics
+
+    with HostileMetrics("good") as server:
+        r, code, modules = run_counting_imports("diagnose", "--url", server.url, "--json", "--window", "1")
+        scraped = server.requests
+    assert code == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["verdict"], out["source"]) == ("idle", "url")
+    assert scraped >= 2  # /metrics at least twice over the window (and /health)
+    assert {"wedgectl.sampler", "wedgectl.collect.scrape", "wedgectl.classify"} <= set(modules)
+    assert heavy_in(modules) == []
+    assert not any(m.startswith(("wedgectl.tui", "wedgectl.watch")) for m in modules), modules
+
+
+@pytest.mark.parametrize("command, options", [("top", ("--pid", "--url", "--bundle", "--refresh")),
+                                              ("watch", ("--listen", "--web-config-file", "--users"))])
+def test_top_and_watch_still_answer_help(command, options):
+    # Their own modules (the TUI, the watcher) load only when the command runs, not for its --help.
+    r, code, modules = run_counting_imports(command, "--help")
+    assert code == 0, r.stderr
+    assert f"wedgectl {command} [OPTIONS]" in r.stdout
+    assert all(o in r.stdout for o in options), r.stdout
+    assert not any(m.startswith(("wedgectl.tui", "wedgectl.watch", "textual", "prometheus_client")) for m in modules)

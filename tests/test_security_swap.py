@@ -352,3 +352,44 @@ def test_the_cli_is_matched_on_its_argv_not_its_title():
     assert processes.vllm_cli_serve(["/v/bin/python3 /v/bin/vllm serve"]) is None  # a title written over argv
     assert processes.vllm_cli_serve(["python", "/x/fake_serve.py", "serve"]) is None
     assert processes.vllm_cli_serve(["python", "/v/bin/vllm", "bench"]) is None
+
+
+RUNNER = textwrap.dedent('''
+    """A shell-like parent: starts two API servers ARGS apart in time, then waits."""
+    import json, subprocess, sys, time
+    target, models = sys.argv[1], sys.argv[2:]
+    kids = []
+    for i, model in enumerate(models):
+        if i:
+            time.sleep(1.2)
+        p = subprocess.Popen([sys.executable, target, "serve", model], stdout=subprocess.PIPE, text=True)
+        line = p.stdout.readline()
+        assert line.startswith("ready"), line
+        kids.append(p.pid)
+    print(json.dumps(kids), flush=True)
+    time.sleep(600)
+''')
+
+
+@pytest.mark.parametrize("models, supervisor", [(["/models/a", "/models/b"], False),
+                                                (["/models/a", "/models/a"], True)])
+def test_a_parent_that_started_different_servers_apart_restarted_nothing(tmp_path, monkeypatch, models, supervisor):
+    """A shell or a test runner that started two servers some time apart is no supervisor (a run of
+    the suite, whose pytest had started servers for half an hour, was refused every swap); one that
+    started the same server again is."""
+    monkeypatch.setattr(processes, "RESTART_SPREAD_S", 0.5)
+    script = tmp_path / "runner.py"
+    script.write_text(RUNNER)
+    targets = Path(__file__).parent / "targets"
+    runner = subprocess.Popen([sys.executable, str(script), str(targets / "fake_vllm_serve.py"), *models],
+                              cwd=targets, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        kids = json.loads(runner.stdout.readline())
+        found = processes.server_supervisor(kids[0])
+        if supervisor:
+            assert found is not None and found[0] == runner.pid and "again" in found[1], found
+        else:
+            assert found is None, found
+    finally:
+        stop_tree(runner.pid, 1.0)
+        runner.stdout.close()

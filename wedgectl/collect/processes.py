@@ -323,20 +323,27 @@ def _runs_python(proc: psutil.Process) -> bool:
 
 
 def restarted_servers(proc: psutil.Process) -> float | None:
-    """Seconds between the first and the last start of the API servers among `proc`'s children, when
-    more than RESTART_SPREAD_S: it started one again (a supervisor). None otherwise."""
-    starts = []
+    """Seconds between the first and the last start of the API servers among `proc`'s children that are
+    copies of one another (titled as a launcher titles them, APIServer_<i>, or running the same argv),
+    when more than RESTART_SPREAD_S: it started one again (a supervisor). None otherwise.
+
+    Servers that differ (another port, another model) are not compared: a shell or a test runner
+    that started two servers a minute apart restarted nothing."""
+    starts: dict[object, list[float]] = {}
     try:
         children = proc.children()
     except (psutil.Error, OSError):
         return None
     for child in children:
         try:
-            if role_of(child) is Role.API_SERVER:
-                starts.append(child.create_time())
+            if role_of(child) is not Role.API_SERVER:
+                continue
+            name, cmdline = _name_cmdline(child)
+            key: object = "launched" if _LAUNCHED.match(_title_kind(name, cmdline)) else tuple(cmdline)
+            starts.setdefault(key, []).append(child.create_time())
         except (psutil.Error, OSError):
             continue
-    spread = max(starts) - min(starts) if len(starts) > 1 else 0.0
+    spread = max((max(t) - min(t) for t in starts.values() if len(t) > 1), default=0.0)
     return spread if spread > RESTART_SPREAD_S else None
 
 
@@ -438,9 +445,11 @@ def api_servers_below(pid: int) -> list[int]:
 
 def server_supervisor(pid: int) -> tuple[int, str] | None:
     """(its pid, why) when the parent of the deployment ``pid`` belongs to is something that would start
-    its API server again: a parent that runs API servers and is not vLLM's own launcher (it looks like
-    vLLM, runs other API servers, or has started one again). None for any other parent (a shell, an
-    init, vLLM's own CLI): swap then stops the deployment alone.
+    its API server again: a parent that looks like vLLM (its argv or title) but is not vLLM's own
+    launcher by its code, the more so when it runs other API servers. None for
+    any other parent (a shell, an init, a test runner, vLLM's own CLI): swap then stops the deployment
+    alone. Any parent that started a copy of an API server again (restarted_servers) is one too. The
+    fixed supervisors (systemd, Kubernetes, ...) are swap's detect_supervisor's.
     """
     root = deployment_root(pid)
     try:
@@ -457,12 +466,12 @@ def server_supervisor(pid: int) -> tuple[int, str] | None:
     again = restarted_servers(parent)
     if again is not None:
         return parent.pid, f"{what} started an API server again, {again:.0f} s after its first"
-    if looks_like_vllm(parent):
-        return parent.pid, f"{what} runs the API server and looks like vLLM, but is not vLLM's own launcher"
+    if not looks_like_vllm(parent):
+        return None
     servers = [c.pid for c in children if role_of(c) is Role.API_SERVER]
     if len(servers) > 1:
         return parent.pid, f"{what} runs {len(servers)} API servers (pids {' '.join(map(str, servers))})"
-    return None
+    return parent.pid, f"{what} runs the API server and looks like vLLM, but is not vLLM's own launcher"
 
 
 @dataclass(frozen=True)
