@@ -19,7 +19,6 @@ import json
 import os
 import select
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,50 +29,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from cli_run import CLI_TIMEOUT_S, REPO, kill_tree, one_line, run_cli
 from wedgectl import exitcodes
 from wedgectl.types import VerdictKind
 
-REPO = Path(__file__).resolve().parents[1]
 TARGETS = Path(__file__).resolve().parent / "targets"
 NOBODY = 65534
-CLI_TIMEOUT_S = 120  # each of these takes about a second; the margin is for a loaded 2-core host
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL `proc` and every descendant it has (a repro's server runs in a session of its own)."""
-    try:
-        kids = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        kids = []
-    for pid in [proc.pid, *(k.pid for k in kids)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    proc.wait(timeout=10)
-    psutil.wait_procs(kids, timeout=5)
-
-
-def run_cli(*args: str, prefix: tuple[str, ...] = (), python: str = sys.executable, env: dict[str, str] | None = None,
-            cwd: str | Path = REPO, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    """`python -m wedgectl ARGS` (after `prefix`: setpriv), killed with all it started if it outlives `timeout`."""
-    proc = subprocess.Popen([*prefix, python, "-m", "wedgectl", *args], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except BaseException:
-        _kill_tree(proc)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def one_line(stderr: str) -> str:
-    """The single line an error prints on stderr: asserts there is exactly one, and no traceback."""
-    assert "Traceback" not in stderr, stderr
-    lines = stderr.splitlines()
-    assert len(lines) == 1, stderr
-    return lines[0]
 
 
 # ------------------------------------------------------------------ 5: probes --pid, the process is gone
@@ -147,7 +108,7 @@ def roots_deployment() -> Iterator[int]:
         assert word == "ready", word
         yield json.loads(payload)["api"]
     finally:
-        _kill_tree(proc)
+        kill_tree(proc)
         assert proc.stdout is not None
         proc.stdout.close()
 

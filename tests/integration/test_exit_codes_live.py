@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -23,41 +22,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from cli_run import REPO, kill_tree, run_cli
 from wedgectl import exitcodes
 from wedgectl.collect import ebpfhost
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 REPRO_TIMEOUT_S = 480  # a vLLM start (40 s here, minutes on a loaded 2-core host), the window, the teardown
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL `proc` and every descendant it has (a repro's server runs in a session of its own)."""
-    try:
-        kids = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        kids = []
-    for pid in [proc.pid, *(k.pid for k in kids)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    proc.wait(timeout=10)
-    psutil.wait_procs(kids, timeout=5)
-
-
-def run_cli(*args: str, cwd: str | Path = REPO, timeout: float) -> subprocess.CompletedProcess[str]:
-    """`python -m wedgectl ARGS`, killed with all it started if it outlives `timeout`."""
-    proc = subprocess.Popen([sys.executable, "-m", "wedgectl", *args], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except BaseException:
-        _kill_tree(proc)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 # ------------------------------------------------------------------ 6: the probe reported nothing
@@ -109,7 +80,7 @@ def test_6_probes_whose_bpftrace_reports_nothing() -> None:
             out = "".join(printed)
         finally:
             if cli.poll() is None:
-                _kill_tree(cli)
+                kill_tree(cli)
         assert cli.returncode == exitcodes.PROBES_FAILED == 6, (out, said)
         assert "Traceback" not in "".join(said), said
         lines = [s.rstrip("\n") for s in said]

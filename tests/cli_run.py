@@ -1,0 +1,52 @@
+"""Running the real CLI in tests: `python -m wedgectl ...` as a subprocess, bounded, killed with all it
+started when it outlives its bound; and the one line an error prints."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+CLI_TIMEOUT_S = 120  # most runs take about a second; the margin is for a loaded 2-core host
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc` and every descendant it has (a repro's server runs in a session of its own)."""
+    try:
+        kids = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        kids = []
+    for pid in [proc.pid, *(k.pid for k in kids)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait(timeout=10)
+    psutil.wait_procs(kids, timeout=5)
+
+
+def run_cli(*args: str, prefix: tuple[str, ...] = (), python: str = sys.executable, env: dict[str, str] | None = None,
+            cwd: str | Path = REPO, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    """`python -m wedgectl ARGS` (after `prefix`: setpriv), killed with all it started if it outlives `timeout`."""
+    proc = subprocess.Popen([*prefix, python, "-m", "wedgectl", *args], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        kill_tree(proc)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def one_line(stderr: str) -> str:
+    """The single line an error prints on stderr: asserts there is exactly one, and no traceback."""
+    assert "Traceback" not in stderr, stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    return lines[0]
