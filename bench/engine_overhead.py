@@ -50,10 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from wedgectl.runtime.install import runtime_python  # noqa: E402
-from wedgectl.runtime import Server, ServerSpec, free_port, start_server, stop_server  # noqa: E402
-from wedgectl.runtime.tinymodel import ensure_tiny_model  # noqa: E402
-from wedgectl.plugin import FIXES_ENV  # noqa: E402
+from wedgectl.lab.runtime.install import runtime_python  # noqa: E402
+from wedgectl.lab.runtime import Server, ServerSpec, free_port, start_server, stop_server  # noqa: E402
+from wedgectl.lab.runtime.tinymodel import ensure_tiny_model  # noqa: E402
+from wedgectl.lab.engine_install import FIXES_ENV  # noqa: E402
 
 ENGINE_DIR = Path(__file__).resolve().parents[1] / "engine"  # this checkout's plugin source
 

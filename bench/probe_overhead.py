@@ -73,7 +73,7 @@ from typing import Callable, ContextManager, Iterator
 
 from wedgectl import probes as programs
 from wedgectl.collect import ebpf, ebpfhost, ebpfraw, procfs
-from wedgectl.types import ProbeResult, ThreadProbe
+from wedgectl.model.types import ProbeResult, ThreadProbe
 
 GOALS = {"storm": 0.97, "vllm": 0.99}
 
@@ -453,8 +453,8 @@ def vllm_rows(args: argparse.Namespace, configs: list[tuple[str, tuple[str, ...]
 
     import httpx
 
-    from wedgectl.repro import ReproConfig, StreamSpec, Workload as Clients, scrape_snapshot
-    from wedgectl.runtime import ServerSpec, ensure_tiny_model, free_port, runtime_python, start_server, stop_server
+    from wedgectl.lab.repro import ReproConfig, StreamSpec, Workload as Clients, scrape_snapshot
+    from wedgectl.lab.runtime import ServerSpec, ensure_tiny_model, free_port, runtime_python, start_server, stop_server
 
     python = runtime_python()
     spec = ServerSpec(model=ensure_tiny_model(python), port=free_port())

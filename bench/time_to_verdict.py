@@ -45,7 +45,7 @@ from pathlib import Path
 import psutil
 
 from wedgectl.collect import procfs
-from wedgectl.repro import find_config, run_repro
+from wedgectl.lab.repro import find_config, run_repro
 
 NAMES = ["idle", "healthy", "healthy-loaded", "admission-wedge", "engine-deadlock", "shutdown-hang", "starved"]
 GOAL_S = {"idle": 2.0, "admission-wedge": 2.0, "engine-deadlock": 2.0, "shutdown-hang": 2.0,

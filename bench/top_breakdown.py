@@ -44,7 +44,7 @@ PARTS = (
     ("sample (LiveSource.take)", 1, "wedgectl.tui.source:LiveSource", "take"),
     ("/proc: processes and threads", 2, "wedgectl.collect.processes", "sample_roles"),
     ("threads (read_threads)", 3, "wedgectl.collect.procfs", "read_threads"),
-    ("tree walk and fds (every 5 s)", 2, "wedgectl.sampler:TreeCache", "roles"),
+    ("tree walk and fds (every 5 s)", 2, "wedgectl.capture.sampler:TreeCache", "roles"),
     ("metrics parse (ScrapedSample.of)", 1, "wedgectl.tui.source:ScrapedSample", "of"),
     ("frame and live verdict (build_frame)", 1, "wedgectl.tui.source", "build_frame"),
     ("log tail", 1, "wedgectl.tui.source:LiveSource", "log_tail"),
@@ -130,7 +130,7 @@ def main() -> int:
     if pid is None:
         from top_overhead import Load  # this folder's: the same closed-loop clients
 
-        from wedgectl.runtime import ServerSpec, ensure_tiny_model, free_port, runtime_python, start_server
+        from wedgectl.lab.runtime import ServerSpec, ensure_tiny_model, free_port, runtime_python, start_server
 
         py = runtime_python(args.python)
         spec = ServerSpec(model=ensure_tiny_model(py), port=free_port())
@@ -165,7 +165,7 @@ def main() -> int:
         if load is not None:
             load.close()
         if server is not None:
-            from wedgectl.runtime import stop_server
+            from wedgectl.lab.runtime import stop_server
 
             stop_server(server, grace=5)
 

@@ -50,8 +50,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-from wedgectl.metrics import parse_metrics
-from wedgectl.runtime import ServerSpec, ensure_tiny_model, free_port, runtime_python, start_server, stop_server
+from wedgectl.read.metrics import parse_metrics
+from wedgectl.lab.runtime import ServerSpec, ensure_tiny_model, free_port, runtime_python, start_server, stop_server
 
 SETTLE_S = 4.0  # top's start-up (imports, discovery, first stack dump) is left out of the phase
 BURN = """

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from wedgectl.runtime import ServerSpec, ensure_tiny_model, free_port, runtime_python, start_server, stop_server
+from wedgectl.lab.runtime import ServerSpec, ensure_tiny_model, free_port, runtime_python, start_server, stop_server
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 SCRAPE_EVERY_S = 15.0

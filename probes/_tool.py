@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from wedgectl import bounds
+from wedgectl.model import bounds
 from wedgectl.probes import (DEFAULT_MIN_WAIT_MS, EXIT_FAILED, EXIT_GONE, EXIT_NO_BACKEND, EXIT_OK, EXIT_PERMISSION,
                              EXIT_USAGE)
 
@@ -24,7 +24,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _number(kind: Callable[[str], float], lo: float, hi: float, *, above: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite number in the range (wedgectl.bounds, which wedgectl's options use too)."""
+    """An argparse type: a finite number in the range (wedgectl.model.bounds, which wedgectl's options use too)."""
     def parse(text: str) -> float:
         value = kind(text)  # a ValueError: argparse says "invalid float value"
         if not bounds.in_range(value, lo, hi, above=above):
@@ -118,8 +118,8 @@ def program_text(probes: Sequence[str], pids: Sequence[int], args: argparse.Name
 
 
 def print_records(records: Sequence[object], as_json: bool) -> None:
-    from wedgectl.bundle import to_jsonable
-    from wedgectl.render import render_threads
+    from wedgectl.store.bundle import to_jsonable
+    from wedgectl.render.text import render_threads
 
     if as_json:
         for r in records:

@@ -46,7 +46,7 @@ from typing import Any
 
 from wedgectl.probes import _tool
 from wedgectl.probes._window import Maps, Window, pair, rounded, table
-from wedgectl.types import WakeCall
+from wedgectl.model.types import WakeCall
 
 NAME = "futexwait"
 SUMMARY = "futex waits per thread (address, start, count, total) and FUTEX_WAKE calls per address"

@@ -24,8 +24,9 @@ import pytest
 from wedgectl.collect import procread, pyspy
 from wedgectl.collect.processes import name_cmdline, sample_process
 from wedgectl.collect.scrape import probe_health, scrape_metrics
-from wedgectl.lifecycle import TOOL_KILL_WAIT_S, health_client, health_status, run_bounded
-from wedgectl.types import FailureKind, Role
+from wedgectl.lab.lifecycle import health_client, health_status
+from wedgectl.collect.control import TOOL_KILL_WAIT_S, run_bounded
+from wedgectl.model.types import FailureKind, Role
 
 WEDGECTL = Path(__file__).resolve().parents[1] / "wedgectl"
 
@@ -171,8 +172,8 @@ def test_a_timeout_keeps_the_output_read_before_the_kill():
 # ------------------------------------------------------------------ signals
 
 
-def test_only_lifecycle_sends_signals():
-    """Every signal goes through lifecycle.send_signal: nothing else in wedgectl/ calls the kill primitives."""
+def test_only_control_sends_signals():
+    """Every signal goes through control.send_signal: nothing else in wedgectl/ calls the kill primitives."""
     primitives = ("os.kill(", "os.killpg(", ".send_signal(", ".terminate(", ".kill(", "pidfd_send_signal(")
     offenders = []
     for path in WEDGECTL.rglob("*.py"):
@@ -180,16 +181,16 @@ def test_only_lifecycle_sends_signals():
             code = line.split("#", 1)[0]
             if any(k in code for k in primitives):
                 offenders.append(f"{path.relative_to(WEDGECTL)}:{n}: {line.strip()}")
-    senders = [o for o in offenders if o.startswith("lifecycle.py:")]
+    senders = [o for o in offenders if o.startswith("collect/control.py:")]
     assert [o for o in offenders if o not in senders] == []
-    # lifecycle.send_signal itself: the pidfd, the pid without one, and the process group
+    # control.send_signal itself: the pidfd, the pid without one, and the process group
     assert len(senders) == 3 and all(("os.kill" in o or "pidfd_send_signal" in o) for o in senders), senders
 
 
 def test_only_the_collectors_and_lifecycle_touch_a_process():
     """psutil, subprocess, os.kill and /proc paths appear only in collect/, lifecycle.py, the probes
     (run as tools) and the two scripts that run inside the server's python."""
-    allowed = ("collect/", "probes/", "lifecycle.py", "runtime/_serve.py", "runtime/_make_model.py")
+    allowed = ("collect/", "probes/", "lab/lifecycle.py", "lab/runtime/_serve.py", "lab/runtime/_make_model.py")
     touches = re.compile(r"^\s*(import|from) (subprocess|psutil)\b|\bos\.kill|[\"']/proc\b")
     offenders = [f"{rel}:{n}: {line.strip()}" for path in WEDGECTL.rglob("*.py")
                  if not (rel := path.relative_to(WEDGECTL).as_posix()).startswith(allowed)

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-import wedgectl.bundle as bundle_mod
-from wedgectl.bundle import read_archive, read_bundle, write_bundle
+import wedgectl.store.bundle as bundle_mod
+from wedgectl.store.bundle import read_archive, read_bundle, write_bundle
 from wedgectl.classify import classify
-from wedgectl.errors import BadBundle, InputNotFound, UnreadableInput
-from wedgectl.sources import bundle_from_log, read_log_lines
-from wedgectl.types import FailureKind, Role
+from wedgectl.model.errors import BadBundle, InputNotFound, UnreadableInput
+from wedgectl.store.sources import bundle_from_log, read_log_lines
+from wedgectl.model.types import FailureKind, Role
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from wedgectl.bundle import read_bundle
+from wedgectl.store.bundle import read_bundle
 from wedgectl.classify import Facts, classify
 from wedgectl.classify import confidence as C
 from wedgectl.classify.leak import count_points, live_leaked_capacity
-from wedgectl.sources import bundle_from_log
-from wedgectl.types import Role, VerdictKind
+from wedgectl.store.sources import bundle_from_log
+from wedgectl.model.types import Role, VerdictKind
 
 FIXTURES = Path(__file__).parent / "fixtures"
 BUNDLES = FIXTURES / "bundles"

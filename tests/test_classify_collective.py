@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from wedgectl import stacks as stk
-from wedgectl.bundle import read_bundle
+from wedgectl.read import stacks as stk
+from wedgectl.store.bundle import read_bundle
 from wedgectl.classify import Facts, classify
 from wedgectl.classify.collective import (
     KERNEL_NEVER_FINISHED,
@@ -25,7 +25,7 @@ from wedgectl.classify.collective import (
     rank_summaries,
     rank_views,
 )
-from wedgectl.types import Bundle, Manifest, ProcessSample, Role, VerdictKind
+from wedgectl.model.types import Bundle, Manifest, ProcessSample, Role, VerdictKind
 
 BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
 
@@ -140,7 +140,7 @@ def test_rpc_timeout_in_the_log_is_a_step_that_never_completed():
 
 def test_recorded_rpc_timeout_log():
     # The real server log of a collective-hold run left to VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=150.
-    from wedgectl.sources import bundle_from_log
+    from wedgectl.store.sources import bundle_from_log
 
     log = Path(__file__).parent / "fixtures" / "logs" / "collective-hang-timeout.log"
     v = classify(bundle_from_log(log))

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from wedgectl.bundle import read_bundle
+from wedgectl.store.bundle import read_bundle
 from wedgectl.classify import classify
 from wedgectl.classify.facts import CPU_WAIT_SHARE, STEAL_SHARE, Facts, mostly_throttled
 from wedgectl.collect import procfs
-from wedgectl.sampler import CERTAIN, SamplerOptions, next_step, stacks_cannot_help
-from wedgectl.types import Bundle, CpuLimit, Role, VerdictKind
+from wedgectl.capture.sampler import CERTAIN, SamplerOptions, next_step, stacks_cannot_help
+from wedgectl.model.types import Bundle, CpuLimit, Role, VerdictKind
 
 from test_probes import _FixedClock  # noqa: E402  (a scheduler clock with given offsets; same folder)
 
@@ -222,7 +222,7 @@ STAT_AFTER = ("cpu  9841526 37365 549058 5283310 4355 0 26582 236888 0 0\n"
 
 
 def _steal_between(tmp_path: Path, before: str, after: str, span_s: float) -> dict[str, str]:
-    from wedgectl.sources import steal_facts
+    from wedgectl.store.sources import steal_facts
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -241,7 +241,7 @@ def test_steal_over_a_capture_from_recorded_stat(tmp_path: Path) -> None:
 
 
 def test_steal_facts_need_two_readings_of_the_same_cpus(tmp_path: Path) -> None:
-    from wedgectl.sources import steal_facts
+    from wedgectl.store.sources import steal_facts
 
     assert steal_facts({}, {0: 5.0}, 10.0) == {}
     assert steal_facts({0: 5.0}, {1: 6.0}, 10.0) == {}  # no CPU read both times

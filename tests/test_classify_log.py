@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from wedgectl.classify import classify
-from wedgectl.sources import bundle_from_log
-from wedgectl.types import VerdictKind
+from wedgectl.store.sources import bundle_from_log
+from wedgectl.model.types import VerdictKind
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from wedgectl.bundle import read_bundle
+from wedgectl.store.bundle import read_bundle
 from wedgectl.classify import LIVE_RULES, LOG_RULES, Facts, classify
 from wedgectl.classify import confidence
-from wedgectl.sources import bundle_from_log
-from wedgectl.types import VerdictKind
+from wedgectl.store.sources import bundle_from_log
+from wedgectl.model.types import VerdictKind
 
 BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
 
@@ -182,7 +182,7 @@ def test_slope_is_the_least_squares_fit_of_the_recorded_counters():
     import statistics
 
     from wedgectl.classify.facts import slope_per_s
-    from wedgectl.metrics import parse_metrics
+    from wedgectl.read.metrics import parse_metrics
 
     b = load("starved")
     points = [(s.t, parse_metrics(s.metrics.text).value("vllm:generation_tokens_total")) for s in b.samples

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from wedgectl.bundle import read_bundle
+from wedgectl.store.bundle import read_bundle
 from wedgectl.classify import classify, confidence as C
 from wedgectl.classify.facts import Facts
 from wedgectl.classify.startup import (
@@ -29,8 +29,8 @@ from wedgectl.classify.startup import (
     phase_lines,
     startup_state,
 )
-from wedgectl.sources import bundle_from_log
-from wedgectl.types import ProcessSample, Role, VerdictKind
+from wedgectl.store.sources import bundle_from_log
+from wedgectl.model.types import ProcessSample, Role, VerdictKind
 
 FIXTURES = Path(__file__).parent / "fixtures"
 BUNDLES = FIXTURES / "bundles"
@@ -94,7 +94,7 @@ def test_engine_processes_in_their_exit_are_not_a_certain_orphan():
     still in the process table (state R) while the kernel tears them down, PF_EXITING set
     (seen in the live exits-mid-capture test: 3 s later, read as a certain orphan). The rule
     still names them, below certainty, so a capture goes on and sees them go, or stay."""
-    from wedgectl.sampler import CERTAIN
+    from wedgectl.capture.sampler import CERTAIN
 
     b = with_processes(load("orphaned-engine"), lambda p: replace(p, exiting=True, state="R"))
     v = classify(b)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from wedgectl import exitcodes
+from wedgectl.model import exitcodes
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
 
@@ -19,7 +19,7 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 def test_log_json_has_the_contract_keys():
     r = run("diagnose", "--log", str(LOGS / "seed000_starved.log"), "--json")
-    assert r.returncode == exitcodes.VERDICT_CODES[__import__("wedgectl.types").types.VerdictKind.STARVED] == 10
+    assert r.returncode == exitcodes.VERDICT_CODES[__import__("wedgectl.model.types").model.types.VerdictKind.STARVED] == 10
     out = json.loads(r.stdout)
     assert out["verdict"] == "starved"
     assert {"verdict", "confidence", "summary", "evidence", "advice"} <= set(out)
@@ -102,7 +102,7 @@ def test_a_live_capture_imports_no_general_purpose_client():
             "try:\n    runpy.run_module('wedgectl', run_name='__main__')\n"
             "except SystemExit as e:\n    code = e.code\n"
             "heavy = ('httpx', 'http', 'email', 'ssl', 'tarfile', 'statistics', 'textual', 'prometheus_client')\n"
-            "loaded = all(m in sys.modules for m in ('wedgectl.sampler', 'wedgectl.collect.scrape', 'wedgectl.classify'))\n"
+            "loaded = all(m in sys.modules for m in ('wedgectl.capture.sampler', 'wedgectl.collect.scrape', 'wedgectl.classify'))\n"
             "print(code, loaded, sorted(m for m in sys.modules if m.split('.')[0] in heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split(None, 2) == [str(exitcodes.UNREACHABLE), "True", "[]\n"], out.stdout + out.stderr
@@ -151,9 +151,9 @@ def test_a_json_diagnose_of_a_log_imports_no_ui_or_exposition_library():
     r, code, modules = run_counting_imports("diagnose", "--log", str(LOGS / "progressing.log"), "--json")
     assert code == 0, r.stderr
     assert json.loads(r.stdout)["verdict"] == "progressing"
-    assert "wedgectl.classify" in modules and "wedgectl.render" in modules  # the whole diagnose ran here
+    assert "wedgectl.classify" in modules and "wedgectl.render.text" in modules  # the whole diagnose ran here
     assert heavy_in(modules) == []
-    assert not any(m.startswith(("wedgectl.tui", "wedgectl.watch", "wedgectl.sampler")) for m in modules), modules
+    assert not any(m.startswith(("wedgectl.tui", "wedgectl.watch", "wedgectl.capture.sampler")) for m in modules), modules
 
 
 def test_a_json_diagnose_of_a_url_imports_no_ui_or_exposition_library():
@@ -167,7 +167,7 @@ def test_a_json_diagnose_of_a_url_imports_no_ui_or_exposition_library():
     out = json.loads(r.stdout)
     assert (out["verdict"], out["source"]) == ("idle", "url")
     assert scraped >= 2  # /metrics at least twice over the window (and /health)
-    assert {"wedgectl.sampler", "wedgectl.collect.scrape", "wedgectl.classify"} <= set(modules)
+    assert {"wedgectl.capture.sampler", "wedgectl.collect.scrape", "wedgectl.classify"} <= set(modules)
     assert heavy_in(modules) == []
     assert not any(m.startswith(("wedgectl.tui", "wedgectl.watch")) for m in modules), modules
 

@@ -10,7 +10,7 @@ import time
 import psutil
 
 from wedgectl.collect.processes import sample_process
-from wedgectl.types import Role
+from wedgectl.model.types import Role
 
 SERVER = """
 import socket, sys, time

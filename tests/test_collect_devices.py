@@ -7,7 +7,7 @@ import os
 import psutil
 
 from wedgectl.collect.processes import accelerator_devices, sample_process
-from wedgectl.types import Role
+from wedgectl.model.types import Role
 
 
 def test_devices_from_fd_links(tmp_path):

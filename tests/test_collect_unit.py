@@ -14,7 +14,7 @@ from wedgectl.collect import procfs, pyspy, scrape
 from wedgectl.collect.processes import classify_role, is_mp_helper
 from wedgectl.collect import sockets
 from wedgectl.collect.sockets import TcpTables, format_address, sockets_from_tables
-from wedgectl.types import FailureKind, FutexWaiters, Role, StackDump, ThreadSample
+from wedgectl.model.types import FailureKind, FutexWaiters, Role, StackDump, ThreadSample
 
 # --- recorded /proc text (x86_64, kernel 6.18) --------------------------------
 

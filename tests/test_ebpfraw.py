@@ -15,7 +15,7 @@ from wedgectl.collect.ebpf import combine
 from wedgectl.collect.ebpfhost import Host
 from wedgectl.collect.procfs import ThreadSched
 from wedgectl.probes._window import Window
-from wedgectl.types import ThreadSample
+from wedgectl.model.types import ThreadSample
 
 BTF = Path("/sys/kernel/btf/vmlinux")
 

@@ -568,7 +568,7 @@ def test_step_recorder_and_collector(fake_vllm, tmp_path, monkeypatch):
     assert "wedge_engine:last_step_age_seconds" in text and "wedge_engine:last_model_step_age_seconds" in text
     assert "wedge_engine:admission_rejections_total 0.0" in text
     # named up front: the restricted page wedgectl asks for (name[]) holds the heartbeat too
-    from wedgectl.metrics import JUDGED_SERIES
+    from wedgectl.read.metrics import JUDGED_SERIES
 
     lean = generate_latest(registry.restricted_registry(list(JUDGED_SERIES))).decode()
     assert "wedge_engine:steps_total 3.0" in lean and "wedge_engine:model_steps_total 1.0" in lean

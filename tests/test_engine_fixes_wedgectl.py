@@ -13,15 +13,17 @@ import time
 import httpx
 import pytest
 
-from wedgectl import exitcodes, swap
-from wedgectl.patched import (
+from wedgectl.model import exitcodes
+
+from wedgectl.lab import swap
+from wedgectl.lab.patched import (
     ADMISSION_BOUND_S,
     Observation,
     evaluate,
     states_capacity,
 )
-from wedgectl.lifecycle import free_port, stop_tree
-from wedgectl.render import render_swap, render_swap_plan
+from wedgectl.collect.control import free_port, stop_tree
+from wedgectl.render.text import render_swap, render_swap_plan
 
 # --- repro --patched: the checks -----------------------------------------------------
 

@@ -30,8 +30,8 @@ import psutil
 import pytest
 
 from cli_run import CLI_TIMEOUT_S, REPO, kill_tree, one_line, run_cli
-from wedgectl import exitcodes
-from wedgectl.types import VerdictKind
+from wedgectl.model import exitcodes
+from wedgectl.model.types import VerdictKind
 
 TARGETS = Path(__file__).resolve().parent / "targets"
 NOBODY = 65534
@@ -170,7 +170,7 @@ def test_41_repro_config_that_cannot_be_read(tmp_path: Path) -> None:
 # calls replaced by one that raises. What is under test is main()'s last handler.
 PLANTED = """
 import sys
-import wedgectl.runtime.install as install
+import wedgectl.lab.runtime.install as install
 
 def planted(*args, **kwargs):
     raise RuntimeError("a planted bug 7f3a")

@@ -22,12 +22,12 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wedgectl.bundle import decode, encode, read_archive, read_bundle
+from wedgectl.store.bundle import decode, encode, read_archive, read_bundle
 from wedgectl.classify import classify
-from wedgectl.errors import WedgectlError
-from wedgectl.logparse import parse_log
-from wedgectl.sources import bundle_from_log
-from wedgectl.types import BUNDLE_FORMAT, Bundle, Manifest, Sample, Target, Verdict
+from wedgectl.model.errors import WedgectlError
+from wedgectl.read.logparse import parse_log
+from wedgectl.store.sources import bundle_from_log
+from wedgectl.model.types import BUNDLE_FORMAT, Bundle, Manifest, Sample, Target, Verdict
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PER_EXAMPLE_S = 5.0  # the deadline; an example past it is a failure, not a slow pass

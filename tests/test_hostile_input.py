@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from wedgectl import exitcodes
-from wedgectl.bundle import MAX_ARCHIVE_BYTES, MAX_HEADER_BYTES, MAX_MEMBER_BYTES
+from wedgectl.model import exitcodes
+from wedgectl.store.bundle import MAX_ARCHIVE_BYTES, MAX_HEADER_BYTES, MAX_MEMBER_BYTES
 
 BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
 GIB = 1 << 30
@@ -284,7 +284,7 @@ def test_bundle_directory_we_cannot_enter_gets_the_bad_input_code(tmp_path):
 # --- bundles from a newer writer ---------------------------------------------------------------------
 
 def _verdict_kind(value: str):
-    from wedgectl.types import VerdictKind
+    from wedgectl.model.types import VerdictKind
 
     return VerdictKind(value)
 

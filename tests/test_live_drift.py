@@ -28,11 +28,11 @@ from pathlib import Path
 
 import pytest
 
-from wedgectl.discover import BUNDLE_LOG_BYTES, deployment_manifest, discover, served_model
-from wedgectl.redact import redact_argv
-from wedgectl.sampler import SamplerOptions, capture
+from wedgectl.capture.discover import BUNDLE_LOG_BYTES, deployment_manifest, discover, served_model
+from wedgectl.read.redact import redact_argv
+from wedgectl.capture.sampler import SamplerOptions, capture
 from wedgectl.tui.source import Collector, LiveSource, find_servers
-from wedgectl.types import MetricsScrape, Sample
+from wedgectl.model.types import MetricsScrape, Sample
 from wedgectl.watch.targets import Spec, Watched, host_deployments, model_from_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

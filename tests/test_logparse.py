@@ -1,4 +1,4 @@
-"""Unit tests for wedgectl.logparse: the seed logs, and lines written from vLLM's formats."""
+"""Unit tests for wedgectl.read.logparse: the seed logs, and lines written from vLLM's formats."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from wedgectl.logparse import (
+from wedgectl.read.logparse import (
     MAX_TEXT_CHARS,
     AccessLine,
     StatsLine,

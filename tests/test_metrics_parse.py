@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from wedgectl.bundle import read_bundle
-from wedgectl.judged import lean_metrics_text
-from wedgectl.metrics import MetricsParseError, _parse_plain, _parse_with_prometheus_client, parse_metrics
+from wedgectl.store.bundle import read_bundle
+from wedgectl.classify.judged import lean_metrics_text
+from wedgectl.read.metrics import MetricsParseError, _parse_plain, _parse_with_prometheus_client, parse_metrics
 
 BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
 
@@ -91,7 +91,7 @@ def test_the_judged_series_alone_give_every_value_a_snapshot_reads(page):
     page gives: a value read from a series left out of JUDGED_SERIES fails here."""
     from functools import cached_property
 
-    from wedgectl.metrics import JUDGED_SERIES, MetricsSnapshot
+    from wedgectl.read.metrics import JUDGED_SERIES, MetricsSnapshot
 
     text = (Path(__file__).parent / "fixtures" / "real" / page).read_text()
     kept = "".join(line + "\n" for line in text.splitlines()

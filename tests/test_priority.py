@@ -11,7 +11,7 @@ import sys
 
 CHILD = """
 import json, os, sys
-from wedgectl import sampler
+from wedgectl.capture import sampler
 from wedgectl.collect import procfs
 start = os.getpriority(os.PRIO_PROCESS, 0)
 delays = iter(json.loads(sys.argv[1]))
@@ -35,7 +35,7 @@ def run(delays: list[float], checks: int) -> dict:
 
 
 def test_a_capture_that_waits_too_long_for_a_cpu_gets_its_priority_back():
-    from wedgectl.sampler import NICE, STARVED_S
+    from wedgectl.capture.sampler import NICE, STARVED_S
 
     # run delay at lower_priority, then at three checks: under the limit, over it, later still
     out = run([10.0, 10.0 + STARVED_S / 2, 10.0 + STARVED_S + 0.5, 30.0], 3)
@@ -50,7 +50,7 @@ def test_a_capture_that_waits_too_long_for_a_cpu_gets_its_priority_back():
 
 
 def test_a_capture_that_gets_its_share_stays_below_the_server():
-    from wedgectl.sampler import NICE
+    from wedgectl.capture.sampler import NICE
 
     out = run([5.0, 5.1, 5.2, 5.3], 3)
     assert out["said"] == [None, None, None] and out["nice"] == [out["start"] + NICE] * 3
@@ -58,11 +58,11 @@ def test_a_capture_that_gets_its_share_stays_below_the_server():
 
 def test_the_nice_is_given_back_once_the_target_is_sampled():
     # diagnose gives it back after the capture: classify, print and exit are its own work
-    code = ("import os; from wedgectl import sampler; s = os.getpriority(os.PRIO_PROCESS, 0); sampler.lower_priority(); "
+    code = ("import os; from wedgectl.capture import sampler; s = os.getpriority(os.PRIO_PROCESS, 0); sampler.lower_priority(); "
             "low = os.getpriority(os.PRIO_PROCESS, 0); err = sampler.restore_priority(); "
             "print(low - s, os.getpriority(os.PRIO_PROCESS, 0) - s, err, sampler.restore_priority(), sep='|')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    from wedgectl.sampler import NICE
+    from wedgectl.capture.sampler import NICE
 
     low, back, err, again = r.stdout.strip().split("|")
     assert int(low) == NICE and again == "None"

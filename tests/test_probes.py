@@ -15,13 +15,15 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from wedgectl import probefacts, probes
-from wedgectl.bundle import from_jsonable, to_jsonable
+from wedgectl.classify import probefacts
+
+from wedgectl import probes
+from wedgectl.store.bundle import from_jsonable, to_jsonable
 from wedgectl.collect import ebpf, ebpfhost, procfs
 from wedgectl.collect.ebpf import Window
 from wedgectl.collect.ebpfhost import Host
 from wedgectl.probes import futexwait
-from wedgectl.types import (
+from wedgectl.model.types import (
     BackendStatus, Bundle, Manifest, ProbeResult, ProcessSample, Role, Sample, ThreadProbe, ThreadSample, WakeCall,
 )
 
@@ -634,7 +636,7 @@ def test_probe_evidence_empty_without_probes() -> None:
 
 
 def test_sampler_puts_probe_results_on_the_last_sample() -> None:
-    from wedgectl import sampler
+    from wedgectl.capture import sampler
 
     b = Bundle(Manifest(), (Sample(t=1.0), Sample(t=2.0)))
     header = ProbeResult(backend="procfs", reason="r")
@@ -644,8 +646,8 @@ def test_sampler_puts_probe_results_on_the_last_sample() -> None:
 
 
 def test_sampler_off_starts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    from wedgectl import sampler
-    from wedgectl.discover import Deployment
+    from wedgectl.capture import sampler
+    from wedgectl.capture.discover import Deployment
 
     monkeypatch.setattr(ebpf, "start_probes", lambda *a, **k: pytest.fail("started"))
     dep = Deployment(root_pid=1, api_pid=1, roles={1: Role.API_SERVER}, base_url=None, metrics_url=None)

@@ -1,4 +1,4 @@
-"""Redaction (wedgectl.redact): secrets by name and by shape go, innocent arguments stay; and where it is applied."""
+"""Redaction (wedgectl.read.redact): secrets by name and by shape go, innocent arguments stay; and where it is applied."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from wedgectl.bundle import read_bundle, to_jsonable, write_bundle
-from wedgectl.errors import UnwritableOutput
-from wedgectl.redact import REDACTED, is_secret_name, redact_argv, redact_env, redact_obj, redact_text, redact_url
-from wedgectl.render import render_report, render_verdict, verdict_to_json
-from wedgectl.types import Bundle, Evidence, Manifest, ProcessSample, Role, Sample, Target, Verdict, VerdictKind
+from wedgectl.store.bundle import read_bundle, to_jsonable, write_bundle
+from wedgectl.model.errors import UnwritableOutput
+from wedgectl.read.redact import REDACTED, is_secret_name, redact_argv, redact_env, redact_obj, redact_text, redact_url
+from wedgectl.render.text import render_report, render_verdict, verdict_to_json
+from wedgectl.model.types import Bundle, Evidence, Manifest, ProcessSample, Role, Sample, Target, Verdict, VerdictKind
 
 SECRETS = ("sk-proj-Zx81Ab", "hf_QwErTyUiOp", "hunter2-pw", "s3cr3tDbPw", "ProxyPw77")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from wedgectl.classify.startup import STARTUP_QUIET_S
-from wedgectl.repro import find_config
+from wedgectl.lab.repro import find_config
 
 
 def test_startup_hang_waits_past_the_classifiers_deadline_without_health():

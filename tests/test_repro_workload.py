@@ -8,7 +8,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from wedgectl.repro import Workload, find_config
+from wedgectl.lab.repro import Workload, find_config
 
 
 class _Completions(BaseHTTPRequestHandler):
@@ -83,7 +83,7 @@ def test_the_clients_process_stops_on_sigterm_with_its_results_written(tmp_path)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     results = tmp_path / "client.json"
     cfg = find_config("healthy")
-    proc = subprocess.Popen([sys.executable, "-m", "wedgectl._hold", f"http://127.0.0.1:{server.server_address[1]}",
+    proc = subprocess.Popen([sys.executable, "-m", "wedgectl.lab._hold", f"http://127.0.0.1:{server.server_address[1]}",
                              str(os.getpid()), str(cfg.path), str(results), "120"])
     try:
         deadline = time.monotonic() + 60

@@ -19,8 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from wedgectl.lifecycle import ServerStartError, free_port, stop_server, stop_tree
-from wedgectl.runtime.launcher import ServerSpec, running_server, start_server
+from wedgectl.lab.lifecycle import ServerStartError, stop_server
+from wedgectl.collect.control import free_port, stop_tree
+from wedgectl.lab.runtime.launcher import ServerSpec, running_server, start_server
 
 FAKE_VLLM = textwrap.dedent(
     f"""\

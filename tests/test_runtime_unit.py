@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from wedgectl.runtime import launcher, tinymodel
-from wedgectl.runtime.install import (
+from wedgectl.lab.runtime import launcher, tinymodel
+from wedgectl.lab.runtime.install import (
     RuntimeInstallError,
     RuntimeMissing,
     cache_dir,
@@ -20,8 +20,8 @@ from wedgectl.runtime.install import (
     runtime_dir,
     runtime_python,
 )
-from wedgectl.lifecycle import free_port
-from wedgectl.runtime.launcher import ServerSpec, serve_args, server_env
+from wedgectl.collect.control import free_port
+from wedgectl.lab.runtime.launcher import ServerSpec, serve_args, server_env
 
 
 def test_cache_dir_prefers_wedgectl_cache() -> None:

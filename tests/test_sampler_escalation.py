@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from wedgectl.bundle import read_bundle
+from wedgectl.store.bundle import read_bundle
 from wedgectl.classify import classify
 from wedgectl.classify.corroboration import starved_for_capacity, wedge_refused_for_capacity
 from wedgectl.classify.facts import MIN_FROZEN_S, Facts
-from wedgectl.metrics import parse_metrics
-from wedgectl.sampler import CERTAIN, ESCALATE_BURST, SamplerOptions, hang_shaped, next_step
-from wedgectl.types import Bundle, Role, VerdictKind
+from wedgectl.read.metrics import parse_metrics
+from wedgectl.capture.sampler import CERTAIN, ESCALATE_BURST, SamplerOptions, hang_shaped, next_step
+from wedgectl.model.types import Bundle, Role, VerdictKind
 
 BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
 
@@ -256,7 +256,7 @@ def test_a_window_whose_scrapes_are_thin_runs_on_up_to_twice_its_length():
     """The leaked-capacity repro on a loaded host: the first scrape answered, the next one (5.4 s
     later: our own threads had waited for a CPU) timed out. One scrape measures no rate and no
     held excess, so the window runs on; at twice its length it stops whatever it has."""
-    from wedgectl.sampler import EXTEND_FACTOR, thin_scrapes
+    from wedgectl.capture.sampler import EXTEND_FACTOR, thin_scrapes
 
     b = load("leaked-capacity")
     failed = replace(b.samples[1].metrics, text=None, status=None, error="timeout: body not complete within 4.0s")
@@ -353,7 +353,7 @@ def test_saturated_server_scrapes_answered_and_counters_moved():
 
 
 def test_a_stepping_engine_is_read_from_proc_alone():
-    from wedgectl.sampler import STEPPING_QUIET_S, engine_stepping
+    from wedgectl.capture.sampler import STEPPING_QUIET_S, engine_stepping
 
     h = load("healthy").samples[0]
     assert engine_stepping(with_quiet(h, 0.0).processes)
@@ -377,8 +377,8 @@ def python_pids(procs) -> list[int]:
 def test_the_first_sample_dumps_every_process_unless_the_engine_is_stepping(monkeypatch, quiet, dumped):
     """A serving engine's first sample takes no py-spy dump (the scrapes decide it); a parked or
     unread engine's does. A later burst then dumps the other processes once too."""
-    import wedgectl.sampler as sampler
-    from wedgectl.discover import Deployment
+    import wedgectl.capture.sampler as sampler
+    from wedgectl.capture.discover import Deployment
 
     first = load("healthy").samples[0]
     procs = with_quiet(first, quiet).processes if quiet is not None else first.processes
@@ -422,8 +422,8 @@ def test_a_capture_without_its_first_dump_takes_it_before_any_verdict_but_progre
     """The first sample leaves the dump out for an engine /proc shows stepping. A capture that
     stops on "progressing" never dumps (its counters decided it); one that stops on anything else
     dumps every Python process once, onto its last sample, as the first sample would have."""
-    import wedgectl.sampler as sampler
-    from wedgectl.discover import Deployment
+    import wedgectl.capture.sampler as sampler
+    from wedgectl.capture.discover import Deployment
 
     b = load(name)
     procs = with_quiet(b.samples[0], 0.0).processes
@@ -441,7 +441,7 @@ def test_a_capture_without_its_first_dump_takes_it_before_any_verdict_but_progre
 
 
 def test_the_quick_look_is_for_a_first_sample_that_answered_and_does_not_look_hung():
-    from wedgectl.sampler import QUICK_LOOK_S, quick_look
+    from wedgectl.capture.sampler import QUICK_LOOK_S, quick_look
 
     def first(name):
         b = load(name)
@@ -466,8 +466,8 @@ def test_a_quick_look_decides_a_serving_or_idle_server_and_leaves_the_grid_to_a_
     gets no quick look: its second sample waits the interval, and its verdict MIN_FROZEN_S."""
     import time
 
-    import wedgectl.sampler as sampler
-    from wedgectl.discover import Deployment
+    import wedgectl.capture.sampler as sampler
+    from wedgectl.capture.discover import Deployment
 
     b = load(name)
     procs = b.samples[0].processes
@@ -501,8 +501,8 @@ def test_a_log_that_grew_past_progressing_gets_the_stacks_the_stop_skipped(monke
     as read at the start said "progressing"; no dump was taken. By the end the server had logged
     two more stats lines, and the log as read then says "starved": that verdict's evidence gets
     one dump of every Python process. A log that did not grow leaves "progressing", undumped."""
-    import wedgectl.sampler as sampler
-    from wedgectl.discover import Deployment
+    import wedgectl.capture.sampler as sampler
+    from wedgectl.capture.discover import Deployment
 
     b = read_bundle(Path(__file__).parent / "fixtures" / "capacity" / "leaked-capacity-loaded.tar.gz")
     log = tmp_path / "server.log"
@@ -550,8 +550,8 @@ RACED = ("error: py-spy exited 1: Error: Failed to get stack traces | Caused by:
     ([None], 1, True),
 ])
 def test_a_raced_dump_is_retried(monkeypatch, outcomes, tries, good):
-    import wedgectl.sampler as sampler
-    from wedgectl.types import StackDump
+    import wedgectl.capture.sampler as sampler
+    from wedgectl.model.types import StackDump
 
     calls: list[int] = []
 
@@ -576,8 +576,8 @@ def test_a_hang_the_window_ends_on_before_its_burst_gets_the_burst_then(monkeypa
     before the burst the escalation would have asked for next. A hang class then gets the burst of
     its engine's processes on the last sample (whether a rank's frame stayed put is what a
     collective hang's ranks read), and the verdict is drawn with it."""
-    import wedgectl.sampler as sampler
-    from wedgectl.discover import Deployment
+    import wedgectl.capture.sampler as sampler
+    from wedgectl.capture.discover import Deployment
 
     b = load(name)
     procs = b.samples[0].processes

@@ -31,7 +31,7 @@ import httpx
 import pytest
 import yaml
 
-from wedgectl.types import Evidence, Verdict, VerdictKind
+from wedgectl.model.types import Evidence, Verdict, VerdictKind
 from wedgectl.watch import Snapshot, Tracker
 from wedgectl.watch.daemon import episode_lines
 from wedgectl.watch.exposition import Endpoint
@@ -99,7 +99,7 @@ def _snapshot(now: float = 1000.0, grace: float = 60.0, name: str = "n:8001/wedg
 
 
 def test_a_served_model_name_forges_no_episode_line_and_no_livez_line(vllm_metrics):
-    from wedgectl.sampler import SamplerOptions
+    from wedgectl.capture.sampler import SamplerOptions
     from wedgectl.watch.targets import Spec, Watched
 
     w = Watched.connect(Spec(url=vllm_metrics), "node")
@@ -130,8 +130,8 @@ def test_a_served_model_name_forges_no_episode_line_and_no_livez_line(vllm_metri
 
 
 def test_the_text_renderers_escape_what_a_target_or_bundle_chose():
-    from wedgectl.render import render_report, render_threads
-    from wedgectl.types import ThreadProbe
+    from wedgectl.render.text import render_report, render_threads
+    from wedgectl.model.types import ThreadProbe
 
     v = Verdict(V.ENGINE_DEADLOCK, 0.9, f"stuck in {EVIL_MODEL}", f"rule\n{FORGED}",
                 evidence=(Evidence("stack\x1b[31m", f"what {EVIL_MODEL}",

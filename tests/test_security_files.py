@@ -28,11 +28,11 @@ from pathlib import Path
 
 import pytest
 
-from wedgectl import exitcodes
-from wedgectl.bundle import read_bundle, write_bundle
+from wedgectl.model import exitcodes
+from wedgectl.store.bundle import read_bundle, write_bundle
 from wedgectl.collect import processes
-from wedgectl.errors import UnreadableInput, UnwritableOutput
-from wedgectl.sources import bundle_from_log, read_log_lines
+from wedgectl.model.errors import UnreadableInput, UnwritableOutput
+from wedgectl.store.sources import bundle_from_log, read_log_lines
 from wedgectl.tui.source import save_bundle
 from wedgectl.watch.recorder import Rotation, bundle_name, recorded, rotate, save_onset
 

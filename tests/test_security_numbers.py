@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from wedgectl import exitcodes
-from wedgectl.types import VerdictKind
+from wedgectl.model import exitcodes
+from wedgectl.model.types import VerdictKind
 
 HERE = Path(__file__).parent
 BUNDLES = HERE / "fixtures" / "bundles"
@@ -140,7 +140,7 @@ def test_good_values_at_the_bounds_are_taken():
 
 
 def test_the_range_check_refuses_what_comparisons_let_through():
-    from wedgectl import bounds
+    from wedgectl.model import bounds
 
     assert bounds.in_range(0.0, 0, 1) and bounds.in_range(1, 0, 1)
     assert not bounds.in_range(0.0, 0, 1, above=True)
@@ -151,7 +151,7 @@ def test_the_range_check_refuses_what_comparisons_let_through():
 
 
 def test_the_probes_window_bound_is_the_collectors():
-    from wedgectl import bounds
+    from wedgectl.model import bounds
     from wedgectl.collect import ebpf
     from wedgectl.probes import _tool
 
@@ -330,8 +330,10 @@ def test_every_float_of_the_bundle_model_has_a_range():
     import dataclasses
     import typing
 
-    from wedgectl import bundle, types
+    from wedgectl.store import bundle
 
+
+    from wedgectl.model import types
     unchecked_by_design = {"confidence"}  # a recorded verdict's; the bundle is re-classified anyway
     seen = set()
     for cls in vars(types).values():

@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wedgectl.redact import REDACTED, is_secret_name, redact_argv, redact_env, redact_text
+from wedgectl.read.redact import REDACTED, is_secret_name, redact_argv, redact_env, redact_text
 
-# Prefixes each pattern in wedgectl.redact starts a scan at, and what those scans run over.
+# Prefixes each pattern in wedgectl.read.redact starts a scan at, and what those scans run over.
 TOKENS = (
     "a: [", "api_key: [", "a:[[", "a: [x]", "]", "[", "a=", "a: ", "password=", "key: '", '"key": "', "'k': '",
     '"', "'", "Bearer ", "basic ", "token ", "a://user:", "://", "@", "-----BEGIN ", "-----BEGIN PRIVATE KEY-----",
@@ -133,7 +133,7 @@ def test_passwords_stay_secrets(name):
 def test_the_rollback_hint_keeps_its_path():
     """swap's messages hide every secret value of the server's environment: PWD's was one, so the path
     under it read `sh <redacted>/.cache/...`."""
-    from wedgectl import swap
+    from wedgectl.lab import swap
 
     env = {"PWD": "/home/alice", "OLDPWD": "/home/alice/src", "HOME": "/home/alice", "DB_PASSWORD": "hunter2pw"}
     hint = "to start the original again: sh /home/alice/.cache/wedgectl/swap/restore-8000.sh (pw hunter2pw)"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from hostile_metrics import HostileMetrics, punycode_body
 
-from wedgectl import exitcodes
+from wedgectl.model import exitcodes
 from wedgectl.collect.scrape import MAX_BODY_BYTES, Scraper, scrape_metrics
 
 REPO = Path(__file__).resolve().parent.parent

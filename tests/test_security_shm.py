@@ -17,8 +17,8 @@ import uuid
 
 import pytest
 
-from wedgectl import shm
-from wedgectl.lifecycle import stop_tree
+from wedgectl.collect import shm
+from wedgectl.collect.control import stop_tree
 
 NOBODY = 65534
 AS_NOBODY = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")

@@ -32,12 +32,14 @@ import httpx
 import psutil
 import pytest
 
-from wedgectl import exitcodes, swap
+from wedgectl.model import exitcodes
+
+from wedgectl.lab import swap
 from wedgectl.collect import processes
-from wedgectl.discover import discover
-from wedgectl.errors import NotVllm
-from wedgectl.lifecycle import free_port, stop_tree
-from wedgectl.plugin import engine_version, ensure_engine_plugin, install_dir, installed_version
+from wedgectl.capture.discover import discover
+from wedgectl.model.errors import NotVllm
+from wedgectl.collect.control import free_port, stop_tree
+from wedgectl.lab.engine_install import engine_version, ensure_engine_plugin, install_dir, installed_version
 
 NOBODY = 65534
 PLANTED = ("csv", "textwrap", "json", "sysconfig", "sitecustomize", "usercustomize", "email", "zipfile")

@@ -25,10 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from wedgectl.classify import classify
 from wedgectl.collect.scrape import Scraper
-from wedgectl.discover import discover
-from wedgectl.lifecycle import free_port
-from wedgectl.sampler import SamplerOptions
-from wedgectl.types import Bundle
+from wedgectl.capture.discover import discover
+from wedgectl.collect.control import free_port
+from wedgectl.capture.sampler import SamplerOptions
+from wedgectl.model.types import Bundle
 from wedgectl.watch import Spec, WatchOptions, Watcher, make_registry
 from wedgectl.watch.targets import Watched
 

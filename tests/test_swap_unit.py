@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from wedgectl import exitcodes
+from wedgectl.model import exitcodes
 from wedgectl.collect.target import (
     Credentials,
     Supervisor,
@@ -23,8 +23,8 @@ from wedgectl.collect.target import (
     read_command,
     supervisor_from,
 )
-from wedgectl.plugin import recorded_version
-from wedgectl.swapsafety import SignalGuard, SwapInterrupted, path_risk, restore_script
+from wedgectl.lab.engine_install import recorded_version
+from wedgectl.lab.swapsafety import SignalGuard, SwapInterrupted, path_risk, restore_script
 
 NOBODY = 65534
 
@@ -225,8 +225,8 @@ def test_refusal_exit_codes_are_distinct_and_documented():
 async def test_top_w_shows_the_plan_and_acts_only_after_y(monkeypatch, supervisor):
     from test_top import WEDGE, SIZE, ScriptedSource, until
 
-    from wedgectl import swap
-    from wedgectl.bundle import read_bundle
+    from wedgectl.lab import swap
+    from wedgectl.store.bundle import read_bundle
     from wedgectl.tui import app as top_app
     from wedgectl.tui.app import ConfirmSwap, make_app
 

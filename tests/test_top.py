@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from wedgectl import exitcodes
-from wedgectl.bundle import read_bundle
+from wedgectl.model import exitcodes
+from wedgectl.store.bundle import read_bundle
 from wedgectl.classify import classify
-from wedgectl.discover import Deployment
+from wedgectl.capture.discover import Deployment
 from wedgectl.tui import app as top_app
 from wedgectl.tui.app import ConfirmSwap, HelpScreen, PickerScreen, make_app
 from wedgectl.tui.source import BundleSource, LiveSource, ServerInfo
 from wedgectl.tui.widgets import EvidenceView, ProcessTable, StackView, StatusLine, ThreadTable, VerdictBanner
-from wedgectl.types import MetricsScrape, Role, Sample
+from wedgectl.model.types import MetricsScrape, Role, Sample
 
 BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
 WEDGE = BUNDLES / "admission-wedge.tar.gz"
@@ -317,9 +317,9 @@ async def test_swap_says_when_this_build_has_no_swap(monkeypatch):
 @pytest.mark.asyncio
 async def test_swap_asks_first_then_calls_swap_deployment(monkeypatch):
     called = []
-    fake = types.ModuleType("wedgectl.swap")
+    fake = types.ModuleType("wedgectl.lab.swap")
     fake.swap_deployment = lambda pid, progress=None: called.append(pid) or types.SimpleNamespace(ok=True, message="", new_pid=None)
-    monkeypatch.setitem(sys.modules, "wedgectl.swap", fake)
+    monkeypatch.setitem(sys.modules, "wedgectl.lab.swap", fake)
     monkeypatch.setattr(top_app, "swap_available", lambda: True)
     src = ScriptedSource(read_bundle(WEDGE))
     app = make_app(src, refresh_s=30)
@@ -388,9 +388,9 @@ async def test_the_quiet_stacks_period_reaches_the_collector_and_the_status_line
 
 @pytest.mark.asyncio
 async def test_a_failed_swap_is_shown_and_top_keeps_watching(monkeypatch):
-    fake = types.ModuleType("wedgectl.swap")
+    fake = types.ModuleType("wedgectl.lab.swap")
     fake.swap_deployment = lambda pid, progress=None: types.SimpleNamespace(ok=False, message="rolled back: new server never healthy", new_pid=None)
-    monkeypatch.setitem(sys.modules, "wedgectl.swap", fake)
+    monkeypatch.setitem(sys.modules, "wedgectl.lab.swap", fake)
     monkeypatch.setattr(top_app, "swap_available", lambda: True)
     app = make_app(ScriptedSource(read_bundle(WEDGE)), refresh_s=0.2)
     async with app.run_test(size=SIZE) as pilot:
@@ -502,7 +502,7 @@ async def test_the_banner_and_status_line_draw_changed_lines_in_the_style_their_
     from textual.app import App
 
     from wedgectl.tui import widgets
-    from wedgectl.types import Verdict, VerdictKind
+    from wedgectl.model.types import Verdict, VerdictKind
 
     class Two(App):
         CSS = """

@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from wedgectl.bundle import read_bundle
+from wedgectl.store.bundle import read_bundle
 from wedgectl.classify import classify
 from wedgectl.tui import model
 from wedgectl.tui.source import BundleSource
-from wedgectl.types import MetricsScrape, ProcessSample, Role, Sample, ThreadSample
+from wedgectl.model.types import MetricsScrape, ProcessSample, Role, Sample, ThreadSample
 
 BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
 RECORDED = sorted(BUNDLES.glob("*.tar.gz"))

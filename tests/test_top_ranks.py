@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from wedgectl.bundle import read_bundle
+from wedgectl.store.bundle import read_bundle
 from wedgectl.tui.app import make_app
 from wedgectl.tui.source import BundleSource
 from wedgectl.tui.widgets import ProcessTable, StackView

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from wedgectl import sampler
-from wedgectl.sampler import TreeCache
-from wedgectl.types import Role
+from wedgectl.capture import sampler
+from wedgectl.capture.sampler import TreeCache
+from wedgectl.model.types import Role
 
 PARENT = """
 import subprocess, sys, time

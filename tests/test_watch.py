@@ -13,10 +13,10 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from wedgectl.bundle import read_bundle
+from wedgectl.store.bundle import read_bundle
 from wedgectl.classify import classify
 from wedgectl.cli import main
-from wedgectl.types import Bundle, Verdict, VerdictKind
+from wedgectl.model.types import Bundle, Verdict, VerdictKind
 from wedgectl.watch import HANG_CLASSES, Episode, Snapshot, Tracker, is_hang, make_registry, target_name
 from wedgectl.watch.daemon import episode_lines
 from wedgectl.watch.exposition import Endpoint, parse_listen
@@ -290,9 +290,9 @@ def test_a_cheap_sample_reads_process_cpu_and_one_scrape_without_threads():
     import subprocess
     import sys
 
-    from wedgectl.discover import Deployment
-    from wedgectl.sampler import SamplerOptions
-    from wedgectl.types import Role
+    from wedgectl.capture.discover import Deployment
+    from wedgectl.capture.sampler import SamplerOptions
+    from wedgectl.model.types import Role
     from wedgectl.watch.targets import Spec, Watched
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from wedgectl.cli import app
-from wedgectl.types import VerdictKind
+from wedgectl.model.types import VerdictKind
 from wedgectl.watch import HANG_CLASSES
 
 ROOT = Path(__file__).resolve().parents[1]

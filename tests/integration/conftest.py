@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from wedgectl.runtime import (
+from wedgectl.lab.runtime import (
     RuntimeMissing,
     Server,
     ServerSpec,

@@ -20,7 +20,7 @@ import pytest
 
 from wedgectl.collect import procfs, pyspy, scrape
 from wedgectl.collect.processes import process_tree, role_of, sample_process
-from wedgectl.types import FailureKind, FutexWaiters, Role, ThreadSample
+from wedgectl.model.types import FailureKind, FutexWaiters, Role, ThreadSample
 
 if TYPE_CHECKING:
     from conftest import Target  # the FIFO target helper and the `spawn` fixture live in conftest.py

@@ -19,10 +19,10 @@ import httpx
 import psutil
 import pytest
 
-from wedgectl import exitcodes
-from wedgectl.bundle import read_bundle
+from wedgectl.model import exitcodes
+from wedgectl.store.bundle import read_bundle
 from wedgectl.classify import classify
-from wedgectl.types import Role, VerdictKind
+from wedgectl.model.types import Role, VerdictKind
 
 pytestmark = pytest.mark.integration
 

@@ -17,14 +17,14 @@ import httpx
 import psutil
 import pytest
 
-from wedgectl.bundle import read_bundle
+from wedgectl.store.bundle import read_bundle
 from wedgectl.classify import classify
 from wedgectl.classify.facts import CPU_WAIT_SHARE, Facts
 from wedgectl.collect.processes import STEPPING_ROLES, role_of
-from wedgectl.exitcodes import VERDICT_CODES
-from wedgectl.repro import scrape_snapshot
-from wedgectl.sampler import CERTAIN, engine_stepping
-from wedgectl.types import VerdictKind
+from wedgectl.model.exitcodes import VERDICT_CODES
+from wedgectl.lab.repro import scrape_snapshot
+from wedgectl.capture.sampler import CERTAIN, engine_stepping
+from wedgectl.model.types import VerdictKind
 
 HANGS = {VerdictKind.ENGINE_DEADLOCK, VerdictKind.ADMISSION_WEDGE, VerdictKind.COLLECTIVE_HANG,
          VerdictKind.SHUTDOWN_HANG, VerdictKind.ENGINE_DEAD}

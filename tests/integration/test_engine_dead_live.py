@@ -21,12 +21,12 @@ import httpx
 import psutil
 import pytest
 
-from wedgectl import exitcodes
-from wedgectl.bundle import read_bundle
+from wedgectl.model import exitcodes
+from wedgectl.store.bundle import read_bundle
 from wedgectl.classify import classify
 from wedgectl.collect.processes import role_of
-from wedgectl.runtime import ServerSpec, free_port, running_server
-from wedgectl.types import Role, VerdictKind
+from wedgectl.lab.runtime import ServerSpec, free_port, running_server
+from wedgectl.model.types import Role, VerdictKind
 
 pytestmark = pytest.mark.integration
 

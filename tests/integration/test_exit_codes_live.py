@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from cli_run import REPO, kill_tree, run_cli
-from wedgectl import exitcodes
+from wedgectl.model import exitcodes
 from wedgectl.collect import ebpfhost
 
 pytestmark = pytest.mark.integration

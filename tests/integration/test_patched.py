@@ -10,13 +10,13 @@ import httpx
 import pytest
 
 from wedgectl.collect.scrape import Scraper
-from wedgectl.metrics import JUDGED_SERIES, parse_metrics
-from wedgectl.lifecycle import log_tail
-from wedgectl.patched import run_patched
-from wedgectl.plugin import ensure_engine_plugin
-from wedgectl.render import render_patched
-from wedgectl.repro import find_config, list_configs
-from wedgectl.runtime import ServerSpec, free_port, running_server
+from wedgectl.read.metrics import JUDGED_SERIES, parse_metrics
+from wedgectl.lab.lifecycle import log_tail
+from wedgectl.lab.patched import run_patched
+from wedgectl.lab.engine_install import ensure_engine_plugin
+from wedgectl.render.text import render_patched
+from wedgectl.lab.repro import find_config, list_configs
+from wedgectl.lab.runtime import ServerSpec, free_port, running_server
 
 pytestmark = pytest.mark.integration
 

@@ -22,15 +22,15 @@ import httpx
 import psutil
 import pytest
 
-from wedgectl import exitcodes
-from wedgectl.bundle import to_jsonable
+from wedgectl.model import exitcodes
+from wedgectl.store.bundle import to_jsonable
 from wedgectl.collect import ebpf, ebpfhost, procfs, pyspy
 from wedgectl.collect.processes import process_tree, role_of
-from wedgectl.metrics import MetricsParseError, parse_metrics
-from wedgectl.plugin import ensure_engine_plugin
-from wedgectl.probefacts import probe_evidence
-from wedgectl.runtime import ServerSpec, ensure_tiny_model, free_port, start_server, stop_server
-from wedgectl.types import ProcessSample, Role, Sample, VerdictKind
+from wedgectl.read.metrics import MetricsParseError, parse_metrics
+from wedgectl.lab.engine_install import ensure_engine_plugin
+from wedgectl.classify.probefacts import probe_evidence
+from wedgectl.lab.runtime import ServerSpec, ensure_tiny_model, free_port, start_server, stop_server
+from wedgectl.model.types import ProcessSample, Role, Sample, VerdictKind
 
 from test_probes_live import NO_EBPF, Steal, assert_wait_spans  # noqa: E402  (same folder; pytest puts it on sys.path)
 

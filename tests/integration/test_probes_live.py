@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from wedgectl import probes
-from wedgectl.bundle import to_jsonable
+from wedgectl.store.bundle import to_jsonable
 from wedgectl.collect import ebpf, ebpfhost, procfs
 
 if TYPE_CHECKING:

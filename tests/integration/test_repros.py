@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from wedgectl.bundle import read_bundle
+from wedgectl.store.bundle import read_bundle
 from wedgectl.classify import classify
-from wedgectl.sampler import _summarise  # the progress line's summary of a sample
-from wedgectl.types import Role
+from wedgectl.capture.sampler import _summarise  # the progress line's summary of a sample
+from wedgectl.model.types import Role
 
 pytestmark = pytest.mark.integration
 

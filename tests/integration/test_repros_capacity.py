@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from test_repros import evidence_text, repro  # the one helper that runs `wedgectl repro NAME --json`
-from wedgectl.bundle import read_bundle
-from wedgectl.metrics import parse_metrics
-from wedgectl.types import Role
+from wedgectl.store.bundle import read_bundle
+from wedgectl.read.metrics import parse_metrics
+from wedgectl.model.types import Role
 
 pytestmark = pytest.mark.integration
 
@@ -52,8 +52,8 @@ def test_reaper_frees_leaked_capacity(vllm_python, tmp_path):
     leaves unaborted is reaped and counted, and the real client gets its answer."""
     import time
 
-    from wedgectl.lifecycle import health_client, stop_server
-    from wedgectl.repro import Workload, find_config, scrape_snapshot, start_repro_server
+    from wedgectl.lab.lifecycle import health_client, stop_server
+    from wedgectl.lab.repro import Workload, find_config, scrape_snapshot, start_repro_server
 
     cfg = find_config("leaked-capacity")
     env = {**cfg.env, "WEDGE_ENGINE_FIXES": "reaper"}

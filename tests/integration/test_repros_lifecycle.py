@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from wedgectl.bundle import read_bundle
+from wedgectl.store.bundle import read_bundle
 
 pytestmark = pytest.mark.integration
 

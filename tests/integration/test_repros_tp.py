@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from wedgectl.bundle import read_bundle
-from wedgectl.repro import find_config, run_repro
-from wedgectl.types import Role, VerdictKind
+from wedgectl.store.bundle import read_bundle
+from wedgectl.lab.repro import find_config, run_repro
+from wedgectl.model.types import Role, VerdictKind
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import httpx
 import psutil
 import pytest
 
-from wedgectl.runtime import (
+from wedgectl.lab.runtime import (
     Server,
     ServerSpec,
     ServerStartError,
@@ -50,7 +50,7 @@ def test_a_real_server_answers_the_restricted_page_top_scrapes(vllm_server: Serv
     with every series a snapshot reads, at a fraction of the whole page; once the server is
     idle, both pages give the same values."""
     from wedgectl.collect.scrape import Scraper, restricted_url
-    from wedgectl.metrics import JUDGED_SERIES, parse_metrics
+    from wedgectl.read.metrics import JUDGED_SERIES, parse_metrics
     from wedgectl.tui.source import LiveSource
 
     httpx.post(f"{vllm_server.url}/v1/completions", json=COMPLETION, timeout=60)

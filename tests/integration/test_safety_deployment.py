@@ -20,12 +20,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from wedgectl.bundle import read_bundle
+from wedgectl.store.bundle import read_bundle
 from wedgectl.collect import procfs
 from wedgectl.collect.processes import deployment_root, process_tree
-from wedgectl.discover import discover
-from wedgectl.errors import NotVllm
-from wedgectl.lifecycle import Delivery, Planned, send_signal, stop_tree
+from wedgectl.capture.discover import discover
+from wedgectl.model.errors import NotVllm
+from wedgectl.collect.control import Delivery, Planned, send_signal, stop_tree
 from wedgectl.tui.source import find_servers
 
 pytestmark = pytest.mark.integration
@@ -112,7 +112,7 @@ def test_the_supervisor_is_no_deployment_and_top_lists_each_server(supervised):
 
 
 def test_swap_plans_to_stop_only_its_own_server(supervised):
-    from wedgectl.swap import plan_swap
+    from wedgectl.lab.swap import plan_swap
 
     supervisor, (one, other) = supervised
     plan = plan_swap(one["engine"])

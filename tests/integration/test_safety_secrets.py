@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from wedgectl.redact import REDACTED
-from wedgectl.runtime import Server, ServerSpec, free_port, running_server
+from wedgectl.read.redact import REDACTED
+from wedgectl.lab.runtime import Server, ServerSpec, free_port, running_server
 
 pytestmark = pytest.mark.integration
 

@@ -1,6 +1,6 @@
 """A SIGKILLed tree leaves no /dev/shm segment behind, and a segment someone else still holds stays.
 
-Before, lifecycle.stop_tree left every segment a killed vLLM tree had mapped
+Before, control.stop_tree left every segment a killed vLLM tree had mapped
 (psm_*, 160-250 MB each). Now it records the tree's /dev/shm mappings before
 the first signal and, once the tree is gone, removes those no live process
 maps or holds open.
@@ -20,8 +20,8 @@ import psutil
 import pytest
 
 from wedgectl.collect import procread
-from wedgectl.lifecycle import Planned, send_signal, stop_tree
-from wedgectl.runtime import ServerSpec, free_port, running_server
+from wedgectl.collect.control import Planned, send_signal, stop_tree
+from wedgectl.lab.runtime import ServerSpec, free_port, running_server
 
 pytestmark = pytest.mark.integration
 

@@ -17,12 +17,15 @@ import httpx
 import psutil
 import pytest
 
-from wedgectl import exitcodes, swap
+from wedgectl.model import exitcodes
+
+from wedgectl.lab import swap
 from wedgectl.collect.target import read_command
-from wedgectl.lifecycle import free_port, health_client, health_status, stop_tree
-from wedgectl.plugin import engine_version, ensure_engine_plugin
-from wedgectl.render import render_swap
-from wedgectl.runtime import ServerSpec, running_server
+from wedgectl.lab.lifecycle import health_client, health_status
+from wedgectl.collect.control import free_port, stop_tree
+from wedgectl.lab.engine_install import engine_version, ensure_engine_plugin
+from wedgectl.render.text import render_swap
+from wedgectl.lab.runtime import ServerSpec, running_server
 
 pytestmark = pytest.mark.integration
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from wedgectl.plugin import ensure_engine_plugin
-from wedgectl.runtime import ServerSpec, free_port, running_server
+from wedgectl.lab.engine_install import ensure_engine_plugin
+from wedgectl.lab.runtime import ServerSpec, free_port, running_server
 
 pytestmark = pytest.mark.integration
 

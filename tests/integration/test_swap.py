@@ -10,13 +10,13 @@ import httpx
 import psutil
 import pytest
 
-from wedgectl.metrics import parse_metrics
-from wedgectl.lifecycle import stop_tree
-from wedgectl.plugin import ensure_engine_plugin
-from wedgectl.render import render_swap
-from wedgectl.repro import symptom_reached
-from wedgectl.runtime import ServerSpec, free_port, start_server, stop_server
-from wedgectl.swap import swap_deployment
+from wedgectl.read.metrics import parse_metrics
+from wedgectl.collect.control import stop_tree
+from wedgectl.lab.engine_install import ensure_engine_plugin
+from wedgectl.render.text import render_swap
+from wedgectl.lab.repro import symptom_reached
+from wedgectl.lab.runtime import ServerSpec, free_port, start_server, stop_server
+from wedgectl.lab.swap import swap_deployment
 
 pytestmark = pytest.mark.integration
 

@@ -32,13 +32,14 @@ import httpx
 import psutil
 import pytest
 
-from wedgectl import exitcodes
+from wedgectl.model import exitcodes
 from wedgectl.collect.target import read_command
-from wedgectl.lifecycle import Server, free_port, running, stop_tree
-from wedgectl.patched import STARTUP_FAILED_LINE
-from wedgectl.plugin import ensure_engine_plugin
-from wedgectl.runtime import ServerSpec
-from wedgectl.runtime.launcher import server_command
+from wedgectl.lab.lifecycle import Server, running
+from wedgectl.collect.control import free_port, stop_tree
+from wedgectl.lab.patched import STARTUP_FAILED_LINE
+from wedgectl.lab.engine_install import ensure_engine_plugin
+from wedgectl.lab.runtime import ServerSpec
+from wedgectl.lab.runtime.launcher import server_command
 
 pytestmark = pytest.mark.integration
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from wedgectl.bundle import read_bundle
-from wedgectl.repro import find_config, run_repro
-from wedgectl.types import VerdictKind
+from wedgectl.store.bundle import read_bundle
+from wedgectl.lab.repro import find_config, run_repro
+from wedgectl.model.types import VerdictKind
 
 pytestmark = [
     pytest.mark.integration,

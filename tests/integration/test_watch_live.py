@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from wedgectl.lifecycle import free_port
+from wedgectl.collect.control import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -19,10 +19,10 @@ import httpx
 import psutil
 import pytest
 
-from wedgectl.bundle import read_bundle
+from wedgectl.store.bundle import read_bundle
 from wedgectl.classify import classify
-from wedgectl.lifecycle import free_port, stop_tree
-from wedgectl.types import VerdictKind
+from wedgectl.collect.control import free_port, stop_tree
+from wedgectl.model.types import VerdictKind
 
 pytestmark = pytest.mark.integration
 
@@ -50,9 +50,9 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float, every: float =
 
 
 def kept_clients(url: str) -> list[psutil.Process]:
-    """The detached `wedgectl._hold` process a kept repro left holding its requests open."""
+    """The detached `wedgectl.lab._hold` process a kept repro left holding its requests open."""
     return [p for p in psutil.process_iter(["cmdline"])
-            if "wedgectl._hold" in (p.info["cmdline"] or []) and url in (p.info["cmdline"] or [])]
+            if "wedgectl.lab._hold" in (p.info["cmdline"] or []) and url in (p.info["cmdline"] or [])]
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from wedgectl.plugin import engine_source_hash, engine_version
+from wedgectl.lab.engine_install import engine_source_hash, engine_version
 
 pytestmark = pytest.mark.integration
 
@@ -82,14 +82,14 @@ def test_the_installed_wheel_imports_nothing_from_the_checkout(installed: Instal
 
 
 def test_the_wheel_carries_the_whole_engine_plugin_source(installed: Installed) -> None:
-    got = installed.python_c("from wedgectl import plugin; print(plugin.engine_version(), plugin.engine_source_hash())")
+    got = installed.python_c("from wedgectl.lab import engine_install as p; print(p.engine_version(), p.engine_source_hash())")
     assert got == f"{engine_version()} {engine_source_hash()}"  # the same files as the checkout's engine/
 
 
 def test_the_wheel_installs_the_engine_plugin_into_a_python(installed: Installed, tmp_path: Path) -> None:
     # The wheel's own venv stands in for a server's environment: the plugin needs no vLLM to install.
     installed.python_c(
-        "import sys; from pathlib import Path; from wedgectl.plugin import ensure_engine_plugin; "
+        "import sys; from pathlib import Path; from wedgectl.lab.engine_install import ensure_engine_plugin; "
         "ensure_engine_plugin(Path(sys.executable), print)",
         timeout=400, WEDGECTL_CACHE=str(tmp_path / "cache"),
     )

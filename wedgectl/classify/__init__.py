@@ -17,7 +17,7 @@ from wedgectl.classify.facts import MIN_FROZEN_S, Facts, Series, slope_per_s, un
 from wedgectl.classify.live import LIVE_RULES
 from wedgectl.classify.log import LOG_RULES
 from wedgectl.classify.rule import Rule
-from wedgectl.types import Bundle, Evidence, Verdict, VerdictKind
+from wedgectl.model.types import Bundle, Evidence, Verdict, VerdictKind
 
 
 def classify(bundle: Bundle) -> Verdict:

@@ -7,12 +7,12 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from wedgectl import stacks as stk
+from wedgectl.read import stacks as stk
 from wedgectl.classify.evidence import (counter_evidence, fmt_duration, log_stamp, message, metrics_evidence, present,
                                         stepless_evidence)
 from wedgectl.classify.facts import PARKED_CORES, SPINNING_CORES, Facts
 from wedgectl.classify.rule import Rule
-from wedgectl.types import Bundle, Evidence, ProcessSample, Role, StackDump, Verdict, VerdictKind
+from wedgectl.model.types import Bundle, Evidence, ProcessSample, Role, StackDump, Verdict, VerdictKind
 
 # How sure a collective_hang is (the scale of confidence.py).
 # Ranks split, the waiting ones in a named collective frame (Python or native), counters frozen.

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from wedgectl.metrics import MetricsSnapshot
-from wedgectl.types import ProcessSample
+from wedgectl.read.metrics import MetricsSnapshot
+from wedgectl.model.types import ProcessSample
 
 CAPACITY = "capacity"
 DEFERRED = "deferred"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import datetime as _dt
 import re
 
-from wedgectl import stacks as stk
+from wedgectl.read import stacks as stk
 from wedgectl.classify.facts import PARKED_CORES, SPINNING_CORES, STEAL_SHARE, Facts, mostly_queued
-from wedgectl.logparse import FailureLine, StatsLine, format_stamp
-from wedgectl.types import Evidence, ProcessSample, Role
+from wedgectl.read.logparse import FailureLine, StatsLine, format_stamp
+from wedgectl.model.types import Evidence, ProcessSample, Role
 
 
 def iso(t: float) -> str:

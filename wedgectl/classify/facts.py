@@ -8,11 +8,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from wedgectl import stacks as stk
-from wedgectl.probefacts import parked_threads, probe_evidence  # pure readers of Sample.probes
-from wedgectl.logparse import FailureLine, ParsedLog, ShutdownLine, StatsLine, parse_log
-from wedgectl.metrics import MetricsParseError, MetricsSnapshot, parse_metrics
-from wedgectl.types import Bundle, Evidence, ProcessSample, Role, Sample, StackDump
+from wedgectl.read import stacks as stk
+from wedgectl.classify.probefacts import parked_threads, probe_evidence  # pure readers of Sample.probes
+from wedgectl.read.logparse import FailureLine, ParsedLog, ShutdownLine, StatsLine, parse_log
+from wedgectl.read.metrics import MetricsParseError, MetricsSnapshot, parse_metrics
+from wedgectl.model.types import Bundle, Evidence, ProcessSample, Role, Sample, StackDump
 
 # Thresholds, with the reason for each.
 SPINNING_CORES = 0.5  # engine (EngineCore + Workers) in a wedge: ~1.2 cores here; a parked one ~0

@@ -8,8 +8,8 @@ from wedgectl.classify import confidence as C
 from wedgectl.classify.evidence import counter_evidence, engine_cpu_evidence, fmt_duration, iso, present
 from wedgectl.classify.facts import MIN_FROZEN_S, Facts
 from wedgectl.classify.rule import Rule
-from wedgectl.metrics import MetricsParseError, parse_metrics
-from wedgectl.types import Evidence, Role, Verdict, VerdictKind
+from wedgectl.read.metrics import MetricsParseError, parse_metrics
+from wedgectl.model.types import Evidence, Role, Verdict, VerdictKind
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from wedgectl import stacks as stk
+from wedgectl.read import stacks as stk
 from wedgectl.classify import confidence as C
 from wedgectl.classify.collective import COLLECTIVE_RULE
 from wedgectl.classify.evidence import (
@@ -29,7 +29,7 @@ from wedgectl.classify.leak import LEAK_RULE
 from wedgectl.classify.orphan import ORPHAN_RULE
 from wedgectl.classify.rule import Rule
 from wedgectl.classify.startup import LIVE_STARTUP_RULE
-from wedgectl.types import Evidence, Verdict, VerdictKind
+from wedgectl.model.types import Evidence, Verdict, VerdictKind
 
 _METRICS_ONLY_ADVICE = "Metrics only: run `wedgectl diagnose --pid PID` to {}."
 

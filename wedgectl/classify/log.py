@@ -10,8 +10,8 @@ from wedgectl.classify.evidence import (STARVED_ADVICE, failure_evidence, fmt_du
 from wedgectl.classify.facts import LOG_SILENCE_S, STATS_INTERVAL_S, Facts, slope_per_s
 from wedgectl.classify.rule import Rule
 from wedgectl.classify.startup import LOG_STARTUP_RULE, phase_lines, startup_state
-from wedgectl.logparse import StatsLine
-from wedgectl.types import Evidence, Verdict, VerdictKind
+from wedgectl.read.logparse import StatsLine
+from wedgectl.model.types import Evidence, Verdict, VerdictKind
 
 _DEAD_KINDS = ("engine_dead", "engine_core_failed")
 _STARVED_LINES = 12  # the stats lines (2 min at vLLM's 10 s interval) a starved queue is judged over

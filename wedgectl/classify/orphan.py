@@ -6,7 +6,7 @@ from wedgectl.classify import confidence as C
 from wedgectl.classify.evidence import fmt_duration
 from wedgectl.classify.facts import Facts
 from wedgectl.classify.rule import Rule
-from wedgectl.types import Evidence, ProcessSample, Role, Verdict, VerdictKind
+from wedgectl.model.types import Evidence, ProcessSample, Role, Verdict, VerdictKind
 
 _ENGINE_ROLES = (Role.ENGINE_CORE, Role.WORKER)
 

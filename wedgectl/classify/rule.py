@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from wedgectl.classify.facts import Facts
-from wedgectl.types import Verdict
+from wedgectl.model.types import Verdict
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,13 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from wedgectl import stacks as stk
+from wedgectl.read import stacks as stk
 from wedgectl.classify import confidence as C
 from wedgectl.classify.evidence import fmt_duration, log_stamp, message
 from wedgectl.classify.facts import PARKED_CORES, Facts, unix_to_logtime
 from wedgectl.classify.rule import Rule
-from wedgectl.logparse import parse_stamp
-from wedgectl.types import Evidence, ProcessSample, Role, Verdict, VerdictKind
+from wedgectl.read.logparse import parse_stamp
+from wedgectl.model.types import Evidence, ProcessSample, Role, Verdict, VerdictKind
 
 # The deadlines, and why.
 # A parked engine (EngineCore + Workers <= PARKED_CORES) that has logged nothing for STARTUP_QUIET_S

@@ -6,7 +6,7 @@ import errno
 import os
 from pathlib import Path
 
-from wedgectl.types import CollectorFailure, FailureKind
+from wedgectl.model.types import CollectorFailure, FailureKind
 
 CAP_SYS_PTRACE = 19  # bit number in /proc/self/status CapEff
 

@@ -36,10 +36,10 @@ from wedgectl.collect.ebpfhost import (
     detect_backends, disabled_backends, stderr_summary,
 )
 from wedgectl.collect.ebpfbcc import READY_MARK
-from wedgectl.lifecycle import signal_child
+from wedgectl.collect.control import signal_child
 from wedgectl.probes import ALL_PROBES, DEFAULT_MIN_WAIT_MS, DEFAULT_PROBES, load_probe
 from wedgectl.probes._window import Maps, Window, parse_bpftrace_output, rounded
-from wedgectl.types import (
+from wedgectl.model.types import (
     BackendStatus, CollectorFailure, FailureKind, ProbeBackend, ProbeMode, ProbeRecord, ProbeResult, ProbeSkip,
     ThreadProbe,
 )

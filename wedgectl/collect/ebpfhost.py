@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from wedgectl.collect.procfs import PROC, parse_exec_start
-from wedgectl.lifecycle import run_bounded
+from wedgectl.collect.control import run_bounded
 from wedgectl.probes import DEFAULT_PROBES, load_probe
-from wedgectl.types import BackendStatus
+from wedgectl.model.types import BackendStatus
 
 BACKENDS = ("rawtp", "bcc", "bpftrace", "procfs")
 EBPF_BACKENDS = ("rawtp", "bcc", "bpftrace")

@@ -17,9 +17,9 @@ from wedgectl.collect._failures import failure_from_oserror, permission_hint
 from wedgectl.collect.sockets import (
     TcpTables, listening_of, own_tcp_addresses, sockets_from_tables,
 )
-from wedgectl.errors import UnreadableInput
-from wedgectl.redact import redact_argv
-from wedgectl.types import CollectorFailure, FailureKind, ProcessSample, Role
+from wedgectl.model.errors import UnreadableInput
+from wedgectl.read.redact import redact_argv
+from wedgectl.model.types import CollectorFailure, FailureKind, ProcessSample, Role
 
 COLLECTOR = "psutil"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from wedgectl.collect._failures import failure_from_oserror, permission_hint
-from wedgectl.types import CollectorFailure, CpuLimit, FailureKind, ThreadSample
+from wedgectl.model.types import CollectorFailure, CpuLimit, FailureKind, ThreadSample
 
 COLLECTOR = "procfs"
 PROC = Path("/proc")

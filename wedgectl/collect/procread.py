@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from wedgectl.shm import SHM
+from wedgectl.collect.shm import SHM
 
 PROC = Path("/proc")
 

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from wedgectl.collect._failures import permission_hint
-from wedgectl.lifecycle import run_bounded
-from wedgectl.stacks import frame_names  # noqa: F401 - re-exported: one reading of py-spy frames
-from wedgectl.types import CollectorFailure, FailureKind, StackDump
+from wedgectl.collect.control import run_bounded
+from wedgectl.read.stacks import frame_names  # noqa: F401 - re-exported: one reading of py-spy frames
+from wedgectl.model.types import CollectorFailure, FailureKind, StackDump
 
 COLLECTOR = "pyspy"
 NATIVE_TIMEOUT_S = 20.0

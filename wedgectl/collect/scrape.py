@@ -9,8 +9,8 @@ from encodings import normalize_encoding
 from encodings.aliases import aliases as _CODEC_ALIASES
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
-from wedgectl.redact import redact_url
-from wedgectl.types import FailureKind, MetricsScrape
+from wedgectl.read.redact import redact_url
+from wedgectl.model.types import FailureKind, MetricsScrape
 
 COLLECTOR = "metrics"
 MAX_BODY_BYTES = 32 * 1024 * 1024

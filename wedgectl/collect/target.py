@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
-from wedgectl import exitcodes
+from wedgectl.model import exitcodes
 from wedgectl.collect import procread
-from wedgectl.errors import NoSuchProcess, WedgectlError
+from wedgectl.model.errors import NoSuchProcess, WedgectlError
 
 PROC = Path("/proc")
 STATUS_CAP = 64 * 1024

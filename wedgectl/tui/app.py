@@ -23,7 +23,7 @@ from textual.screen import ModalScreen, Screen
 from textual.timer import Timer
 from textual.widgets import DataTable, Footer, Label, Static
 
-from wedgectl.errors import WedgectlError
+from wedgectl.model.errors import WedgectlError
 from wedgectl.tui import model
 from wedgectl.tui.source import (
     STACKS_QUIET_S,
@@ -47,7 +47,7 @@ from wedgectl.tui.widgets import (
     ThreadTable,
     VerdictBanner,
 )
-from wedgectl.types import Role
+from wedgectl.model.types import Role
 
 DEFAULT_REFRESH_S = 2.0
 SWAP_UNAVAILABLE = "swap not available in this build"
@@ -594,11 +594,11 @@ def swap_plan(pid: int) -> tuple[object | None, list[str], str]:
     """(the plan, its lines, why swap refuses it or ""): what top's `w` shows before it asks."""
     import importlib
 
-    mod = importlib.import_module("wedgectl.swap")
+    mod = importlib.import_module("wedgectl.lab.swap")
     plan_fn = getattr(mod, "plan_swap", None)
     if plan_fn is None:
         return None, [], ""
-    from wedgectl.render import render_swap_plan
+    from wedgectl.render.text import render_swap_plan
 
     plan = plan_fn(pid)
     supervisor = getattr(plan, "supervisor", None)

@@ -11,13 +11,13 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from wedgectl import stacks as stk
+from wedgectl.read import stacks as stk
 from wedgectl.classify import classify
 from wedgectl.collect.processes import is_mp_helper
-from wedgectl.judged import judged_sample, lean_metrics_text  # noqa: F401 - lean_metrics_text re-exported
-from wedgectl.metrics import MetricsParseError, MetricsSnapshot, parse_metrics
-from wedgectl.redact import redact_url
-from wedgectl.types import Bundle, Manifest, ProcessSample, Role, Sample, StackDump, Verdict
+from wedgectl.classify.judged import judged_sample, lean_metrics_text  # noqa: F401 - lean_metrics_text re-exported
+from wedgectl.read.metrics import MetricsParseError, MetricsSnapshot, parse_metrics
+from wedgectl.read.redact import redact_url
+from wedgectl.model.types import Bundle, Manifest, ProcessSample, Role, Sample, StackDump, Verdict
 
 # x86_64 numbers of the syscalls a blocked vLLM thread is usually in (/proc/TID/syscall nr).
 SYSCALL_NAMES = {

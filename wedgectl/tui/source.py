@@ -20,9 +20,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from wedgectl.bundle import read_bundle, write_bundle_in
+from wedgectl.store.bundle import read_bundle, write_bundle_in
 from wedgectl.classify import classify
-from wedgectl.discover import (
+from wedgectl.capture.discover import (
     BUNDLE_LOG_BYTES,
     VERDICT_LOG_BYTES,
     Deployment,
@@ -31,13 +31,13 @@ from wedgectl.discover import (
     discover,
     find_servers,
 )
-from wedgectl.errors import WedgectlError
-from wedgectl.metrics import JUDGED_SERIES
+from wedgectl.model.errors import WedgectlError
+from wedgectl.read.metrics import JUDGED_SERIES
 from wedgectl.collect.scrape import Scraper
-from wedgectl.sampler import SamplerOptions, TreeCache, take_sample
-from wedgectl.sources import read_log_lines
+from wedgectl.capture.sampler import SamplerOptions, TreeCache, take_sample
+from wedgectl.store.sources import read_log_lines
 from wedgectl.tui.model import Frame, ScrapedSample, build_frame, describe_target
-from wedgectl.types import Bundle, Manifest, Sample
+from wedgectl.model.types import Bundle, Manifest, Sample
 
 __all__ = ["BundleSource", "Collector", "CpuMeter", "LiveSource", "ServerInfo", "find_servers", "save_bundle",
            "swap_available", "swap_target"]  # ServerInfo, find_servers: discover's, where top's picker finds them
@@ -237,17 +237,17 @@ def save_bundle(bundle: Bundle, directory: Path) -> Path:
 
 
 def swap_available() -> bool:
-    """Whether this build has `wedgectl swap` (wedgectl.swap.swap_deployment)."""
+    """Whether this build has `wedgectl swap` (wedgectl.lab.swap.swap_deployment)."""
     try:
-        return importlib.util.find_spec("wedgectl.swap") is not None
+        return importlib.util.find_spec("wedgectl.lab.swap") is not None
     except (ImportError, ValueError):
         return False
 
 
 def swap_target(pid: int, say: Callable[[str], object], plan: object | None = None) -> tuple[str, int | None, bool]:
-    """Run wedgectl.swap.swap_deployment(pid) (on the `plan` shown, if any): (what happened, the new API server pid,
+    """Run wedgectl.lab.swap.swap_deployment(pid) (on the `plan` shown, if any): (what happened, the new API server pid,
     ok)."""
-    mod = importlib.import_module("wedgectl.swap")
+    mod = importlib.import_module("wedgectl.lab.swap")
     fn = getattr(mod, "swap_deployment", None)
     if fn is None:
         return "swap not available in this build", None, False

@@ -22,7 +22,7 @@ from textual.strip import Strip
 from textual.widget import Widget
 
 from wedgectl.tui.model import CounterRow, ProcessRow, ThreadRow, spark_text
-from wedgectl.types import Verdict, VerdictKind
+from wedgectl.model.types import Verdict, VerdictKind
 
 HANG_KINDS = {
     VerdictKind.ADMISSION_WEDGE, VerdictKind.ENGINE_DEADLOCK, VerdictKind.SHUTDOWN_HANG, VerdictKind.ENGINE_DEAD,

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from wedgectl.classify import classify
 from wedgectl.collect.procfs import owner_uids
-from wedgectl.discover import BUNDLE_LOG_BYTES
-from wedgectl.errors import WedgectlError
-from wedgectl.sampler import SamplerOptions, capture
-from wedgectl.redact import printable, redact_text
-from wedgectl.types import Bundle
+from wedgectl.capture.discover import BUNDLE_LOG_BYTES
+from wedgectl.model.errors import WedgectlError
+from wedgectl.capture.sampler import SamplerOptions, capture
+from wedgectl.read.redact import printable, redact_text
+from wedgectl.model.types import Bundle
 from wedgectl.watch.exposition import DEFAULT_LISTEN, Endpoint, Snapshot, WebConfig
 from wedgectl.watch.recorder import Rotation, check_bundle_dir, save_onset
 from wedgectl.watch.state import Episode, Escalation, Tracker, iso, queue_of

@@ -30,8 +30,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from wedgectl import __version__
-from wedgectl.redact import printable
-from wedgectl.types import VerdictKind
+from wedgectl.read.redact import printable
+from wedgectl.model.types import VerdictKind
 from wedgectl.watch.state import HANG_CLASSES, TargetView
 
 DEFAULT_LISTEN = "127.0.0.1:9464"

@@ -10,9 +10,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from wedgectl.bundle import open_bundle_dir, write_archive_at
-from wedgectl.errors import UnwritableOutput
-from wedgectl.types import Bundle
+from wedgectl.store.bundle import open_bundle_dir, write_archive_at
+from wedgectl.model.errors import UnwritableOutput
+from wedgectl.model.types import Bundle
 
 PREFIX = "wedgectl-watch-"
 SUFFIX = ".tar.gz"

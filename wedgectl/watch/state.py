@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from wedgectl.metrics import MetricsParseError, MetricsSnapshot, parse_metrics
-from wedgectl.types import Role, Sample, Verdict, VerdictKind
+from wedgectl.read.metrics import MetricsParseError, MetricsSnapshot, parse_metrics
+from wedgectl.model.types import Role, Sample, Verdict, VerdictKind
 
 # Not hangs: the server serves (idle, progressing), serves slowly (starved), or the evidence does
 # not decide. Every other verdict, the classes added later included, is a hang for liveness.
@@ -86,8 +86,8 @@ class TargetView:
         return max(0.0, now - self.since) if self.since is not None else 0.0
 
     def to_json(self, now: float, grace_s: float) -> dict[str, Any]:
-        from wedgectl.bundle import to_jsonable
-        from wedgectl.redact import redact_obj
+        from wedgectl.store.bundle import to_jsonable
+        from wedgectl.read.redact import redact_obj
 
         v = self.verdict
         return redact_obj({  # served to anyone who can reach --listen: no secret goes out

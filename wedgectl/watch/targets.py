@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 from wedgectl.collect import processes, procfs, procread
 from wedgectl.collect.scrape import Scraper, failure_kind
-from wedgectl.discover import (
+from wedgectl.capture.discover import (
     VERDICT_LOG_BYTES,
     Deployment,
     deployment_manifest,
@@ -21,13 +21,13 @@ from wedgectl.discover import (
     served_model,
     tree_roles,
 )
-from wedgectl.errors import WedgectlError
-from wedgectl.judged import judged_sample
-from wedgectl.metrics import JUDGED_SERIES, MetricsParseError, parse_metrics
-from wedgectl.redact import redact_text
-from wedgectl.sampler import SamplerOptions, take_sample
-from wedgectl.sources import read_log_lines
-from wedgectl.types import Bundle, CollectorFailure, FailureKind, Manifest, MetricsScrape, ProcessSample, Sample
+from wedgectl.model.errors import WedgectlError
+from wedgectl.classify.judged import judged_sample
+from wedgectl.read.metrics import JUDGED_SERIES, MetricsParseError, parse_metrics
+from wedgectl.read.redact import redact_text
+from wedgectl.capture.sampler import SamplerOptions, take_sample
+from wedgectl.store.sources import read_log_lines
+from wedgectl.model.types import Bundle, CollectorFailure, FailureKind, Manifest, MetricsScrape, ProcessSample, Sample
 
 KEEP_S = 120.0  # evidence kept per target: the "before" of an onset bundle
 CLASSIFY_S = 30.0  # the verdict rests on the last 30 s: longer than any rule's frozen threshold

@@ -19,7 +19,7 @@ time from the shared file, never from the engine's output stream:
 The same collector publishes ``wedge_engine:admission_rejections_total`` for
 the admission fix (``publish("admission")``).
 
-``wedgectl diagnose`` reads the first four (``wedgectl/metrics.py``).
+``wedgectl diagnose`` reads the first four (``wedgectl/read/metrics.py``).
 With several API servers (``--api-server-count`` > 1) vLLM serves a
 multiprocess registry and these series are not exposed.
 

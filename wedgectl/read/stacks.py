@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from wedgectl.types import StackDump
+from wedgectl.model.types import StackDump
 
 Thread = dict[str, Any]
 

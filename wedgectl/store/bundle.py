@@ -26,11 +26,11 @@ from functools import cache
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable
 
-from wedgectl import bounds
-from wedgectl.errors import BadBundle, UnreadableInput, UnwritableOutput
-from wedgectl.redact import redact_obj, redact_text
-from wedgectl.sources import MAX_LOG_BYTES, open_regular, stat_input
-from wedgectl.types import (
+from wedgectl.model import bounds
+from wedgectl.model.errors import BadBundle, UnreadableInput, UnwritableOutput
+from wedgectl.read.redact import redact_obj, redact_text
+from wedgectl.store.sources import MAX_LOG_BYTES, open_regular, stat_input
+from wedgectl.model.types import (
     BUNDLE_FORMAT,
     BUNDLE_VERSION,
     Bundle,
@@ -188,7 +188,7 @@ def _build(cls: type, data: Any, path: str = "") -> Any:
 
 # Times and durations are range-checked as they are read (docs/bundle.md): a sample time of 1e18 passed
 # the type check, then broke the date a report prints (issue 33). A field named in TIME_FIELDS is a unix
-# time, 0 (not recorded) up to wedgectl.bounds.MAX_UNIX_TIME; one whose name ends in _s holds seconds,
+# time, 0 (not recorded) up to wedgectl.model.bounds.MAX_UNIX_TIME; one whose name ends in _s holds seconds,
 # 0 up to MAX_DURATION_S (a per-CPU clock offset may be negative). tests/test_security_numbers.py checks
 # that every float of the model is one or the other.
 TIME_FIELDS = frozenset({"t", "created", "started", "ended", "wait_started"})

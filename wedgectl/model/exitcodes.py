@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from wedgectl.types import VerdictKind
+from wedgectl.model.types import VerdictKind
 
 OK = 0  # idle or progressing
 USAGE = 2  # bad flags (typer/click's own code)

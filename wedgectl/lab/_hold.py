@@ -1,6 +1,6 @@
 """The client side of a kept repro: holds the workload's requests open after wedgectl exits.
 
-    python -m wedgectl._hold URL PID CONFIG.toml RESULTS.json [HOLD_S]
+    python -m wedgectl.lab._hold URL PID CONFIG.toml RESULTS.json [HOLD_S]
 
 `wedgectl repro NAME --keep` runs the workload in this detached process, so the hung server
 keeps its hung requests (a closed connection makes vLLM abort the request and the hang goes
@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from wedgectl.collect.processes import is_alive
-from wedgectl.lifecycle import health_client
-from wedgectl.repro import Workload, load_config, scrape_snapshot
+from wedgectl.lab.lifecycle import health_client
+from wedgectl.lab.repro import Workload, load_config, scrape_snapshot
 
 
 def main(argv: list[str]) -> int:

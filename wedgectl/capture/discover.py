@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from wedgectl import __version__
 from wedgectl.collect import processes, procfs, sockets
 from wedgectl.collect.scrape import metrics_url_for
-from wedgectl.errors import NoSuchProcess, NotVllm
-from wedgectl.redact import redact_argv, redact_url
-from wedgectl.sources import host_facts
-from wedgectl.types import Manifest, Role, Target
+from wedgectl.model.errors import NoSuchProcess, NotVllm
+from wedgectl.read.redact import redact_argv, redact_url
+from wedgectl.store.sources import host_facts
+from wedgectl.model.types import Manifest, Role, Target
 
 # The server log's tail: what a verdict reads (diagnose's in-window verdicts, each refresh of top,
 # each evaluation of watch), and what a saved bundle keeps (diagnose's, top's save, watch's onset).

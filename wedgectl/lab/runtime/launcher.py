@@ -1,6 +1,6 @@
 """The managed runtime's vLLM server: what to serve and with which flags and environment.
 
-Starting, health-waiting and stopping are `wedgectl.lifecycle`'s; this module
+Starting, health-waiting and stopping are `wedgectl.lab.lifecycle`'s; this module
 turns a `ServerSpec` into the command it starts.
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from wedgectl.lifecycle import Command, Server, running, start_server as start_command
-from wedgectl.runtime.install import cache_dir
+from wedgectl.lab.lifecycle import Command, Server, running, start_server as start_command
+from wedgectl.lab.runtime.install import cache_dir
 
 SERVE_SCRIPT = Path(__file__).with_name("_serve.py")
 

@@ -18,10 +18,10 @@ from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
-from wedgectl import exitcodes
+from wedgectl.model import exitcodes
 from wedgectl.collect.target import Credentials, PopenUser
-from wedgectl.errors import WedgectlError
-from wedgectl.lifecycle import DEVNULL, CompletedProcess, TimeoutExpired, run_bounded
+from wedgectl.model.errors import WedgectlError
+from wedgectl.collect.control import DEVNULL, CompletedProcess, TimeoutExpired, run_bounded
 
 DISTRIBUTION = "wedgectl-engine"
 SOURCE_PACKAGE = "wedgectl._engine"
@@ -175,7 +175,7 @@ def _as(run_as: Credentials | None) -> PopenUser:
 
 def _marker(python: Path) -> Path:
     """Where we note which plugin sources were installed into that interpreter's environment."""
-    from wedgectl.runtime.install import cache_dir
+    from wedgectl.lab.runtime.install import cache_dir
 
     key = hashlib.sha256(str(Path(python).absolute()).encode()).hexdigest()[:16]
     return cache_dir() / "engine-installed" / f"{key}.txt"

@@ -1,6 +1,6 @@
 """The managed vLLM runtime: venv install, tiny-model generator, the server it serves (started by lifecycle)."""
 
-from wedgectl.runtime.install import (
+from wedgectl.lab.runtime.install import (
     RuntimeInstallError,
     RuntimeMissing,
     cache_dir,
@@ -8,9 +8,10 @@ from wedgectl.runtime.install import (
     runtime_dir,
     runtime_python,
 )
-from wedgectl.lifecycle import Server, ServerStartError, free_port, stop_server
-from wedgectl.runtime.launcher import ServerSpec, running_server, start_server
-from wedgectl.runtime.tinymodel import ModelBuildError, ensure_tiny_model
+from wedgectl.lab.lifecycle import Server, ServerStartError, stop_server
+from wedgectl.collect.control import free_port
+from wedgectl.lab.runtime.launcher import ServerSpec, running_server, start_server
+from wedgectl.lab.runtime.tinymodel import ModelBuildError, ensure_tiny_model
 
 __all__ = [
     "ModelBuildError",

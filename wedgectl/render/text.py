@@ -1,10 +1,10 @@
 """Renderers: a verdict as text lines that fit 80 columns, or as one JSON object, secrets redacted.
 
-Everything a renderer prints passes through wedgectl.redact before it is
+Everything a renderer prints passes through wedgectl.read.redact before it is
 wrapped (a wrap could split a secret from the flag that names it), whatever
 the evidence came from: a live capture (already redacted) or a bundle from
 an older writer (maybe not). Every text line is then made printable
-(wedgectl.redact.printable): a name, label, path, argv word or frame that a
+(wedgectl.read.redact.printable): a name, label, path, argv word or frame that a
 target or a bundle chose cannot end the line early, forge the next one or
 drive the terminal. JSON needs no such step: json.dumps escapes them.
 """
@@ -17,15 +17,15 @@ import textwrap
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ParamSpec
 
-from wedgectl.bundle import to_jsonable
-from wedgectl.redact import printable, redact_argv, redact_obj, redact_text, redact_url
-from wedgectl.types import BackendStatus, ProbeRecord, ProbeResult, ThreadProbe, Verdict
+from wedgectl.store.bundle import to_jsonable
+from wedgectl.read.redact import printable, redact_argv, redact_obj, redact_text, redact_url
+from wedgectl.model.types import BackendStatus, ProbeRecord, ProbeResult, ThreadProbe, Verdict
 
 if TYPE_CHECKING:  # named in annotations only: importing them would pull in what the command does not use
-    from wedgectl.types import Bundle
-    from wedgectl.patched import PatchedResult
-    from wedgectl.repro import ReproConfig, ReproResult
-    from wedgectl.swap import SwapPlan, SwapResult
+    from wedgectl.model.types import Bundle
+    from wedgectl.lab.patched import PatchedResult
+    from wedgectl.lab.repro import ReproConfig, ReproResult
+    from wedgectl.lab.swap import SwapPlan, SwapResult
 
 WIDTH = 80
 P = ParamSpec("P")

@@ -1,4 +1,4 @@
-"""Reproducing each hang class on a real vLLM server, from the configs in wedgectl/repros/."""
+"""Reproducing each hang class on a real vLLM server, from the configs in wedgectl/lab/repros/."""
 
 from __future__ import annotations
 
@@ -17,25 +17,16 @@ from typing import Any
 
 import httpx
 
-from wedgectl import exitcodes
-from wedgectl.bundle import write_bundle
+from wedgectl.model import exitcodes
+from wedgectl.store.bundle import write_bundle
 from wedgectl.classify import classify
-from wedgectl.errors import WedgectlError
-from wedgectl.lifecycle import (
-    Server,
-    detach,
-    free_port,
-    health_client,
-    health_status,
-    launch,
-    signal_server,
-    start_detached,
-    stop_server,
-    stop_tree,
-)
-from wedgectl.metrics import MetricsParseError, MetricsSnapshot, parse_metrics
-from wedgectl.plugin import FIXES_ENV, ensure_engine_plugin
-from wedgectl.types import Role, Verdict
+from wedgectl.model.errors import WedgectlError
+from wedgectl.lab.lifecycle import (Server, detach, health_client, health_status, launch, signal_server, start_detached,
+                                    stop_server)
+from wedgectl.collect.control import free_port, stop_tree
+from wedgectl.read.metrics import MetricsParseError, MetricsSnapshot, parse_metrics
+from wedgectl.lab.engine_install import FIXES_ENV, ensure_engine_plugin
+from wedgectl.model.types import Role, Verdict
 
 REPROS_DIR = Path(__file__).with_name("repros")
 HOLDER_STOP_S = 5.0  # the clients' process writes its results and exits on SIGTERM
@@ -100,7 +91,7 @@ class ReproConfig:
     shutdown_signal: str | None = None
     shutdown_after_s: float = 3.0
     path: Path | None = None
-    # The clients run in a process of their own (wedgectl._hold), as real clients do: wedgectl
+    # The clients run in a process of their own (wedgectl.lab._hold), as real clients do: wedgectl
     # leaves its own sockets out of a server's client-connection count, so in-process clients would
     # read as requests with no client behind them (leaked_capacity).
     separate_clients: bool = True
@@ -353,7 +344,7 @@ def surviving_pid(server: Server, tree: tuple[int, ...]) -> int | None:
     find the whole orphaned deployment from any of its pids), else an EngineCore; None if it lives."""
     if server.popen.poll() is None:
         return None
-    from wedgectl.discover import tree_roles
+    from wedgectl.capture.discover import tree_roles
 
     found: dict[int, Role] = {}
     for pid in tree[1:]:
@@ -394,7 +385,7 @@ def start_repro_server(
     label: str = "vLLM",
 ) -> tuple[Server, Path]:
     """Install the plugin, then start the config's server with `env`, logging to out_dir/server.log."""
-    from wedgectl.runtime import ServerSpec, ensure_tiny_model, runtime_python, start_server
+    from wedgectl.lab.runtime import ServerSpec, ensure_tiny_model, runtime_python, start_server
 
     py = runtime_python(python)
     ensure_engine_plugin(py, progress)
@@ -407,7 +398,7 @@ def start_repro_server(
     progress(f"starting {label} ({' '.join(cfg.flags) or 'default flags'}; {described})")
     t0 = time.monotonic()
     if cfg.until == "starting":  # a server that never becomes healthy: do not wait for /health
-        from wedgectl.runtime.launcher import server_command
+        from wedgectl.lab.runtime.launcher import server_command
 
         server = launch(server_command(spec, py, log_path))
         progress(f"server pid {server.pid} launched; not waiting for /health")
@@ -427,7 +418,7 @@ def run_repro(
     progress: Callable[[str], None] = lambda _m: None,
 ) -> ReproResult:
     """Start the server, drive the workload, wait for the symptom, diagnose, tear down."""
-    from wedgectl.sampler import SamplerOptions, capture
+    from wedgectl.capture.sampler import SamplerOptions, capture
 
     env = {**cfg.env, **(FIXES_ENV if patched else {})}
     out_dir = out_dir or Path.cwd() / "wedgectl-repro" / cfg.name
@@ -441,7 +432,7 @@ def run_repro(
     try:
         if keep or cfg.separate_clients:
             # The clients must outlive wedgectl, or vLLM aborts their requests and the hang is gone.
-            holder = start_detached([sys.executable, "-P", "-m", "wedgectl._hold", server.url, str(server.pid),
+            holder = start_detached([sys.executable, "-P", "-m", "wedgectl.lab._hold", server.url, str(server.pid),
                                      str(cfg.path), str(out_dir / "client.json")])
         else:
             workload.start_now()

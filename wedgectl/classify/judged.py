@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from wedgectl.types import Bundle, Sample
+from wedgectl.model.types import Bundle, Sample
 
 
 def lean_metrics_text(text: str) -> str:

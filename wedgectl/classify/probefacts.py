@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from wedgectl.types import Evidence, ProbeResult, Role, Sample, ThreadProbe
+from wedgectl.model.types import Evidence, ProbeResult, Role, Sample, ThreadProbe
 
 ROLE_LABELS = {Role.ENGINE_CORE: "EngineCore", Role.WORKER: "Worker", Role.API_SERVER: "API server",
                Role.OTHER: "process"}

@@ -4,7 +4,7 @@ The plan comes from /proc: the API server's command line, environment and
 working directory, the deployment's process tree and the port it serves.
 The swap: make sure the server's interpreter can import the plugin (install
 the one this wedgectl carries if not, or if older), stop the old tree
-(lifecycle.stop_tree: SIGTERM to the API server, SIGKILL to whatever of the
+(control.stop_tree: SIGTERM to the API server, SIGKILL to whatever of the
 tree is left after a bound: it works on a server stuck in the shutdown hang),
 start the same command in the same directory with the fixes on
 (plugin.FIXES_ENV) on the same port, wait for /health, report the downtime.
@@ -45,7 +45,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from wedgectl import exitcodes, redact
+from wedgectl.model import exitcodes
+
+from wedgectl.read import redact
 from wedgectl.collect import procread
 from wedgectl.collect.processes import server_supervisor
 from wedgectl.collect.target import (
@@ -55,19 +57,10 @@ from wedgectl.collect.target import (
     read_command,
     read_credentials,
 )
-from wedgectl.errors import NoSuchProcess, NotVllm, WedgectlError  # noqa: F401 - NoSuchProcess: read_proc raises it
-from wedgectl.lifecycle import (
-    Command,
-    Server,
-    ServerStartError,
-    SubprocessError,
-    launch,
-    stop_server,
-    stop_tree,
-    wait_healthy,
-    wait_port_free,
-)
-from wedgectl.plugin import (
+from wedgectl.model.errors import NoSuchProcess, NotVllm, WedgectlError  # noqa: F401 - NoSuchProcess: read_proc raises it
+from wedgectl.lab.lifecycle import Command, Server, ServerStartError, launch, stop_server, wait_healthy
+from wedgectl.collect.control import SubprocessError, stop_tree, wait_port_free
+from wedgectl.lab.engine_install import (
     ACTIVE_ENV,
     FIXES_ENV,
     PluginInstallError,
@@ -77,7 +70,7 @@ from wedgectl.plugin import (
     installed_version,
     recorded_version,
 )
-from wedgectl.swapsafety import (
+from wedgectl.lab.swapsafety import (
     SignalGuard,
     can_append_as,
     SwapInterrupted,
@@ -107,7 +100,7 @@ class SwapRefused(SwapError):
 # ------------------------------------------------------------------ redaction (pure)
 
 
-# One rule for all of wedgectl (wedgectl.redact, docs/bundle.md); these names stay for swap's callers.
+# One rule for all of wedgectl (wedgectl.read.redact, docs/bundle.md); these names stay for swap's callers.
 is_secret_name = redact.is_secret_name
 redact_env = redact.redact_env
 redact_argv = redact.redact_argv
@@ -300,8 +293,8 @@ def _version_tuple(v: str) -> tuple[int, ...]:
 def plan_swap(pid: int, proc_root: Path = procread.PROC) -> SwapPlan:
     """Read the deployment `pid` belongs to and say what a swap would do. Touches nothing and runs
     nothing of the target's; SwapRefused when its interpreter is writable by another user."""
-    from wedgectl.discover import discover
-    from wedgectl.types import Role
+    from wedgectl.capture.discover import discover
+    from wedgectl.model.types import Role
 
     dep = discover(pid=pid)
     api = dep.api_pid
@@ -387,7 +380,7 @@ def _new_log_path(plan: SwapPlan) -> str:
         folder = tempfile.mkdtemp(prefix=f"wedgectl-swap-{plan.port}-")
         os.chown(folder, plan.run_as.uid, plan.run_as.gid)
         return os.path.join(folder, name)
-    from wedgectl.runtime.install import cache_dir
+    from wedgectl.lab.runtime.install import cache_dir
 
     return str(cache_dir() / "swap" / name)
 
@@ -455,7 +448,7 @@ class _Restore:
 
 
 def _write_restore(plan: SwapPlan, log_path: str) -> _Restore:
-    from wedgectl.runtime.install import cache_dir
+    from wedgectl.lab.runtime.install import cache_dir
 
     text = restore_script(plan.launch_argv, plan.env, plan.cwd, log_path, plan.run_as)
     return _Restore(write_restore_script(cache_dir() / "swap", plan.port, text), log_path)

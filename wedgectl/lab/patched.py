@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from wedgectl.collect.processes import is_alive
-from wedgectl.lifecycle import Server, health_client, health_status, log_tail, signal_server, stop_server, wait_exit
-from wedgectl.plugin import SHUTDOWN_S, WATCHDOG_S, patched_env
-from wedgectl.repro import ReproConfig, Workload, scrape_snapshot, start_repro_server, symptom_reached
+from wedgectl.lab.lifecycle import Server, health_client, health_status, log_tail, signal_server, stop_server, wait_exit
+from wedgectl.lab.engine_install import SHUTDOWN_S, WATCHDOG_S, patched_env
+from wedgectl.lab.repro import ReproConfig, Workload, scrape_snapshot, start_repro_server, symptom_reached
 
 ADMISSION_BOUND_S = 5.0  # an unadmittable request's error (measured: ~0.01 s at admission)
 WATCHDOG_SLACK_S = 4.0  # the watchdog polls every <= 1 s; the client and /health poll add the rest

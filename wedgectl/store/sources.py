@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import BinaryIO, Protocol
 
 from wedgectl import __version__
-from wedgectl.errors import InputNotFound, NoVllmLines, UnreadableInput
-from wedgectl.logparse import parse_log
-from wedgectl.types import Bundle, Manifest, Target
+from wedgectl.model.errors import InputNotFound, NoVllmLines, UnreadableInput
+from wedgectl.read.logparse import parse_log
+from wedgectl.model.types import Bundle, Manifest, Target
 
 MAX_LOG_BYTES = 64 << 20  # the tail is what matters for a hang; a bigger log is read from its end
 

@@ -1,0 +1,1 @@
+"""Verdicts and results as 80-column text or JSON. No I/O beyond what the caller prints."""
