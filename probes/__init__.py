@@ -7,7 +7,6 @@ wedgectl/collect/ebpf.py composes them into one program and runs it.
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 
 DEFAULT_PROBES = ("futexwait", "offcpu")
@@ -24,9 +23,16 @@ EXIT_OK, EXIT_USAGE, EXIT_NO_BACKEND, EXIT_PERMISSION, EXIT_GONE, EXIT_FAILED = 
 
 def load_probe(name: str) -> ModuleType:
     """The probe module NAME (one of ALL_PROBES)."""
-    if name not in ALL_PROBES:
+    # Imported when asked for, each by name: a probe's module is loaded only by a run that uses it.
+    if name == "futexwait":
+        from wedgectl.probes import futexwait as probe
+    elif name == "offcpu":
+        from wedgectl.probes import offcpu as probe
+    elif name == "pylockwait":
+        from wedgectl.probes import pylockwait as probe
+    else:
         raise ValueError(f"no probe {name!r}; there are {', '.join(ALL_PROBES)}")
-    return importlib.import_module(f"wedgectl.probes.{name}")
+    return probe
 
 
 __all__ = ["ALL_PROBES", "DEFAULT_MIN_WAIT_MS", "DEFAULT_PROBES", "EXIT_FAILED", "EXIT_GONE", "EXIT_NO_BACKEND",

@@ -1,19 +1,15 @@
-"""The command line every probe tool shares: its arguments, --ebpf, a run through the collector, the exit status."""
+"""The command line every probe tool shares: its arguments and --ebpf; wedgectl/cli/probetool.py runs them."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from wedgectl.model import bounds
-from wedgectl.probes import (DEFAULT_MIN_WAIT_MS, EXIT_FAILED, EXIT_GONE, EXIT_NO_BACKEND, EXIT_OK, EXIT_PERMISSION,
-                             EXIT_USAGE)
+from wedgectl.probes import DEFAULT_MIN_WAIT_MS, EXIT_USAGE
 
 MAX_WINDOW_S = bounds.PROBE_WINDOW_S
-PLACEHOLDER_LIB = "/path/to/libpython3.X.so"  # --ebpf without a python target still shows the uprobe
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,58 +68,10 @@ def parser(prog: str, summary: str, epilog: str) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None, probes: Sequence[str], *, prog: str, summary: str, epilog: str) -> int:
-    """Parse the arguments, print the program (--ebpf) or run the probes and print their results."""
+    """Parse the arguments, then print the program (--ebpf) or run the probes and print their results."""
     args = parser(prog, summary, epilog).parse_args(argv)  # every number range-checked as it is parsed
-    pids: list[int] = args.pid
-    from wedgectl.collect import ebpf, ebpfhost  # here, not at import: the collector loads the probes' text
+    # The one import above the model: running a probe takes the collectors and the renderer, which
+    # import the probes; only the tool's entry point goes up to them (see pyproject.toml's contracts).
+    from wedgectl.cli.probetool import run
 
-    if args.ebpf:  # no root needed: text only, nothing attached
-        print(program_text(probes, pids, args), end="")
-        return EXIT_OK
-    if not args.no_children:
-        pids = ebpf.expand_tree(pids)
-    if not ebpf.pids_exist(pids):
-        print(f"no such process: {pids}", file=sys.stderr)
-        return EXIT_GONE
-    if args.backend in ebpfhost.EBPF_BACKENDS:
-        status = ebpfhost.forced_backend_status(args.backend, probes)
-        if not status.available:
-            print(f"{args.backend} cannot run here: {status.reason}", file=sys.stderr)
-            return EXIT_PERMISSION if "root" in status.reason else EXIT_NO_BACKEND
-    records, failures = ebpf.run_probes(pids, args.duration, probes=probes, backend=args.backend,
-                                        max_entries=args.max_entries, min_wait_s=args.min_wait_ms / 1000)
-    print_records(records, as_json=args.json)
-    for f in failures:
-        print(f"{f.kind.value}: {f.message}", file=sys.stderr)
-    header = records[0] if records else None
-    if header is None or (args.backend in ebpfhost.EBPF_BACKENDS and header.backend != args.backend):
-        return EXIT_FAILED
-    return EXIT_OK
-
-
-def program_text(probes: Sequence[str], pids: Sequence[int], args: argparse.Namespace) -> str:
-    """What --ebpf prints: the C text for --backend bcc, else the bpftrace program."""
-    from wedgectl.collect import ebpf
-
-    min_wait_s = args.min_wait_ms / 1000
-    if args.backend == "rawtp":
-        return ("# rawtp has no program text: wedgectl/collect/ebpfraw.py assembles its sched_switch program "
-                "and loads it through bpf(2)\n")
-    if args.backend == "bcc":
-        return ebpf.bcc_program(probes, pids, args.max_entries, min_wait_s=min_wait_s) + "\n"
-    libs: list[str] = []
-    if "pylockwait" in probes:
-        libs = ebpf.python_libraries(pids) or [PLACEHOLDER_LIB]
-    return ebpf.bpftrace_program(probes, pids, args.duration, libs, min_wait_s=min_wait_s)
-
-
-def print_records(records: Sequence[object], as_json: bool) -> None:
-    from wedgectl.store.bundle import to_jsonable
-    from wedgectl.render.text import render_threads
-
-    if as_json:
-        for r in records:
-            print(json.dumps(to_jsonable(r)))
-        return
-    for line in render_threads(records):
-        print(line)
+    return run(args, probes)

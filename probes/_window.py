@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
-
-from wedgectl.collect.procfs import ThreadSched
+from typing import Any, Protocol
 
 Maps = dict[str, Any]  # map name (no "@") -> {int or tuple-of-int key: value}, or a scalar
 
@@ -50,6 +48,25 @@ def parse_bpftrace_output(lines: Iterable[str]) -> tuple[Maps, list[str], list[s
         elif kind != "attached_probes":
             other.append(line)
     return maps, printed, other
+
+
+class ThreadSched(Protocol):
+    """What a parser reads of one thread at one edge of the window (collect's procfs.ThreadSched has it)."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def cpu(self) -> int | None: ...  # the CPU it last ran on
+    @property
+    def exec_start_s(self) -> float | None: ...  # last ran at, on that CPU's scheduler clock
+    @property
+    def oncpu_ns(self) -> int | None: ...
+    @property
+    def runq_ns(self) -> int | None: ...
+    @property
+    def futex_addr(self) -> int | None: ...
+    @property
+    def in_futex_wait(self) -> bool: ...
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ wake op on it, how often, and how many waiters those calls woke.
 A thread parked since *before* the probe attached fires no sys_enter_futex in
 the window. Its wait start comes from /proc/PID/task/TID/sched `se.exec_start`
 (the last time it ran, on the scheduler's clock, calibrated per CPU against
-CLOCK_MONOTONIC): see wedgectl/collect/procfs.py and probes/README.md.
+CLOCK_MONOTONIC): see wedgectl/collect/procfs/sched.py and clock.py, and probes/README.md.
 
 Overhead (bench/probe_overhead.py, side by side in one run): on its worst
 case, 4 Python thread pairs handing off through queue.Queue at ~300-400k

@@ -1,4 +1,4 @@
-"""Every read of another process and every wait on one is bounded; every signal goes through lifecycle.
+"""Every read of another process and every wait on one is bounded; every signal goes through collect.control.
 
 A /proc file that blocks (a FIFO in a procfs-root seam stands in for the
 cmdline of a process whose mmap lock a thread in state D holds) returns
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import http.server
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -25,10 +24,9 @@ from wedgectl.collect import procread, pyspy
 from wedgectl.collect.processes import name_cmdline, sample_process
 from wedgectl.collect.scrape import probe_health, scrape_metrics
 from wedgectl.lab.lifecycle import health_client, health_status
-from wedgectl.collect.control import TOOL_KILL_WAIT_S, run_bounded
+from wedgectl.collect.control import (TOOL_KILL_WAIT_S, ChildError, ChildTimeout, Delivery, Signal, Stream,
+                                       handle_signals, run_bounded, spawn)
 from wedgectl.model.types import FailureKind, Role
-
-WEDGECTL = Path(__file__).resolve().parents[1] / "wedgectl"
 
 
 def _blocked_proc_root(tmp_path: Path, pid: int) -> Path:
@@ -56,7 +54,7 @@ def test_a_blocking_cmdline_read_returns_within_its_bound(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(TimeoutError):
         procread.read_cmdline(pid, root, timeout=0.3)
-    assert time.monotonic() - t0 < 1.5
+    assert time.monotonic() - t0 < 3.0  # bounded near its 0.3 s (a loaded host can hold any call ~1 s)
     # While that read is stuck, the next of the same process fails at once: no thread piles up.
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="still blocked"):
@@ -164,38 +162,55 @@ def test_a_pyspy_past_its_timeout_is_killed_and_reported(monkeypatch, tmp_path):
 
 def test_a_timeout_keeps_the_output_read_before_the_kill():
     """The runtime install logs what pip printed before its step ran out of time (stderr merged)."""
-    with pytest.raises(subprocess.TimeoutExpired) as caught:
-        run_bounded(["/bin/sh", "-c", "echo half; echo err >&2; exec sleep 60"], timeout=2, stderr=subprocess.STDOUT)
+    with pytest.raises(ChildTimeout) as caught:
+        run_bounded(["/bin/sh", "-c", "echo half; echo err >&2; exec sleep 60"], timeout=2, stderr=Stream.STDOUT)
     assert caught.value.output.split() == ["half", "err"]
+    assert isinstance(caught.value, subprocess.TimeoutExpired)  # the collectors' own except clauses still hold
 
 
-# ------------------------------------------------------------------ signals
+def test_a_child_that_cannot_be_started_as_asked_is_a_child_error():
+    """A failed switch of user comes from Popen as a SubprocessError: the layers above catch collect's own."""
+    def refuses(*_a, **_k):
+        raise subprocess.SubprocessError("Exception occurred in preexec_fn.")
+
+    with pytest.raises(ChildError, match="preexec_fn"):
+        run_bounded(["true"], timeout=5, popen=refuses)
 
 
-def test_only_control_sends_signals():
-    """Every signal goes through control.send_signal: nothing else in wedgectl/ calls the kill primitives."""
-    primitives = ("os.kill(", "os.killpg(", ".send_signal(", ".terminate(", ".kill(", "pidfd_send_signal(")
-    offenders = []
-    for path in WEDGECTL.rglob("*.py"):
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            code = line.split("#", 1)[0]
-            if any(k in code for k in primitives):
-                offenders.append(f"{path.relative_to(WEDGECTL)}:{n}: {line.strip()}")
-    senders = [o for o in offenders if o.startswith("collect/control.py:")]
-    assert [o for o in offenders if o not in senders] == []
-    # control.send_signal itself: the pidfd, the pid without one, and the process group
-    assert len(senders) == 3 and all(("os.kill" in o or "pidfd_send_signal" in o) for o in senders), senders
+def test_a_spawned_child_is_waited_for_with_a_bound_and_signalled_through_control():
+    child = spawn(["sleep", "30"])
+    try:
+        with pytest.raises(ChildTimeout):
+            child.wait(timeout=0.2)
+        assert child.poll() is None and child.returncode is None
+        assert child.signal(Signal.TERM) is Delivery.SENT
+        assert child.wait(timeout=10) == -signal.SIGTERM
+        assert child.signal(Signal.KILL) is Delivery.GONE  # reaped: its pid may be anyone's now
+    finally:
+        if child.poll() is None:
+            child.signal(Signal.KILL)
+            child.wait(timeout=10)
 
 
-def test_only_the_collectors_and_lifecycle_touch_a_process():
-    """psutil, subprocess, os.kill and /proc paths appear only in collect/, lifecycle.py, the probes
-    (run as tools) and the two scripts that run inside the server's python."""
-    allowed = ("collect/", "probes/", "lab/lifecycle.py", "lab/runtime/_serve.py", "lab/runtime/_make_model.py")
-    touches = re.compile(r"^\s*(import|from) (subprocess|psutil)\b|\bos\.kill|[\"']/proc\b")
-    offenders = [f"{rel}:{n}: {line.strip()}" for path in WEDGECTL.rglob("*.py")
-                 if not (rel := path.relative_to(WEDGECTL).as_posix()).startswith(allowed)
-                 for n, line in enumerate(path.read_text().splitlines(), 1) if touches.search(line.split("#", 1)[0])]
-    assert offenders == []
+def test_signals_are_named_by_control_and_handlers_put_back():
+    assert Signal.named("SIGTERM") is Signal.TERM and Signal.KILL.full_name == "SIGKILL"
+    with pytest.raises(ValueError):
+        Signal.named("SIGFOO")
+    before = signal.getsignal(signal.SIGHUP)
+    got: list[Signal] = []
+    restore = handle_signals((Signal.HUP,), got.append)
+    try:
+        os.kill(os.getpid(), signal.SIGHUP)
+        deadline = time.monotonic() + 5
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        restore()
+    assert got == [Signal.HUP] and signal.getsignal(signal.SIGHUP) is before
+
+
+# Which modules may signal a process or import subprocess is checked by the import contracts
+# (pyproject.toml) and tests/test_architecture.py.
 
 
 # ------------------------------------------------------------------ local HTTP and proxies

@@ -11,6 +11,7 @@ deadlock at 0.95: a certain verdict, and a capture that would have stopped on it
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,7 +21,8 @@ from wedgectl.store.bundle import read_bundle
 from wedgectl.classify import classify
 from wedgectl.classify.facts import CPU_WAIT_SHARE, STEAL_SHARE, Facts, mostly_throttled
 from wedgectl.collect import procfs
-from wedgectl.capture.sampler import CERTAIN, SamplerOptions, next_step, stacks_cannot_help
+from wedgectl.capture.options import SamplerOptions
+from wedgectl.capture.policy import CERTAIN, next_step, stacks_cannot_help
 from wedgectl.model.types import Bundle, CpuLimit, Role, VerdictKind
 
 from test_probes import _FixedClock  # noqa: E402  (a scheduler clock with given offsets; same folder)
@@ -126,7 +128,7 @@ def _tree(tmp_path: Path, stat: str, sched: str | None, schedstat: str | None) -
 def test_a_queued_main_thread_counts_the_wait_under_way(tmp_path: Path, monkeypatch) -> None:
     """Runnable (R) and last on a CPU at 2027.667 s of the monotonic clock: at 2040 s it has queued
     12.3 s, which the run delay (waits that ended: 120.1 s) does not hold yet."""
-    monkeypatch.setattr(procfs.time, "monotonic", lambda: 2040.0)
+    monkeypatch.setattr(time, "monotonic", lambda: 2040.0)
     clock = _FixedClock({1: 5.0})
     _tree(tmp_path, STAT_R, SCHED, "35212899093 120110000000 48499")
     quiet, runq = procfs.main_thread_sched(10416, tmp_path, clock)

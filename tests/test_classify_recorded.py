@@ -181,7 +181,7 @@ def test_the_classifier_imports_no_collector():
 def test_slope_is_the_least_squares_fit_of_the_recorded_counters():
     import statistics
 
-    from wedgectl.classify.facts import slope_per_s
+    from wedgectl.classify.series import slope_per_s
     from wedgectl.read.metrics import parse_metrics
 
     b = load("starved")

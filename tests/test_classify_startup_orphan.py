@@ -94,7 +94,7 @@ def test_engine_processes_in_their_exit_are_not_a_certain_orphan():
     still in the process table (state R) while the kernel tears them down, PF_EXITING set
     (seen in the live exits-mid-capture test: 3 s later, read as a certain orphan). The rule
     still names them, below certainty, so a capture goes on and sees them go, or stay."""
-    from wedgectl.capture.sampler import CERTAIN
+    from wedgectl.capture.policy import CERTAIN
 
     b = with_processes(load("orphaned-engine"), lambda p: replace(p, exiting=True, state="R"))
     v = classify(b)

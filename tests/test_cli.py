@@ -102,7 +102,7 @@ def test_a_live_capture_imports_no_general_purpose_client():
             "try:\n    runpy.run_module('wedgectl', run_name='__main__')\n"
             "except SystemExit as e:\n    code = e.code\n"
             "heavy = ('httpx', 'http', 'email', 'ssl', 'tarfile', 'statistics', 'textual', 'prometheus_client')\n"
-            "loaded = all(m in sys.modules for m in ('wedgectl.capture.sampler', 'wedgectl.collect.scrape', 'wedgectl.classify'))\n"
+            "loaded = all(m in sys.modules for m in ('wedgectl.capture.window', 'wedgectl.collect.scrape', 'wedgectl.classify'))\n"
             "print(code, loaded, sorted(m for m in sys.modules if m.split('.')[0] in heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split(None, 2) == [str(exitcodes.UNREACHABLE), "True", "[]\n"], out.stdout + out.stderr
@@ -153,7 +153,8 @@ def test_a_json_diagnose_of_a_log_imports_no_ui_or_exposition_library():
     assert json.loads(r.stdout)["verdict"] == "progressing"
     assert "wedgectl.classify" in modules and "wedgectl.render.text" in modules  # the whole diagnose ran here
     assert heavy_in(modules) == []
-    assert not any(m.startswith(("wedgectl.tui", "wedgectl.watch", "wedgectl.capture.sampler")) for m in modules), modules
+    live = ("wedgectl.tui", "wedgectl.watch", "wedgectl.capture.window")
+    assert not any(m.startswith(live) for m in modules), modules
 
 
 def test_a_json_diagnose_of_a_url_imports_no_ui_or_exposition_library():
@@ -167,7 +168,7 @@ def test_a_json_diagnose_of_a_url_imports_no_ui_or_exposition_library():
     out = json.loads(r.stdout)
     assert (out["verdict"], out["source"]) == ("idle", "url")
     assert scraped >= 2  # /metrics at least twice over the window (and /health)
-    assert {"wedgectl.capture.sampler", "wedgectl.collect.scrape", "wedgectl.classify"} <= set(modules)
+    assert {"wedgectl.capture.window", "wedgectl.collect.scrape", "wedgectl.classify"} <= set(modules)
     assert heavy_in(modules) == []
     assert not any(m.startswith(("wedgectl.tui", "wedgectl.watch")) for m in modules), modules
 
@@ -181,3 +182,91 @@ def test_top_and_watch_still_answer_help(command, options):
     assert f"wedgectl {command} [OPTIONS]" in r.stdout
     assert all(o in r.stdout for o in options), r.stdout
     assert not any(m.startswith(("wedgectl.tui", "wedgectl.watch", "textual", "prometheus_client")) for m in modules)
+
+
+BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
+
+
+def test_a_json_diagnose_of_a_bundle_imports_nothing_that_reads_a_live_server():
+    # Re-classifying saved evidence reads a file: no sampler, no collector, no HTTP (client, server or TLS),
+    # nothing of top, watch or the lab, and none of the UI and exposition libraries.
+    r, code, modules = run_counting_imports("diagnose", "--bundle", str(BUNDLES / "healthy-tp2.tar.gz"), "--json")
+    assert code == 0, r.stderr
+    assert json.loads(r.stdout)["verdict"] in ("idle", "progressing")
+    assert {"wedgectl.classify", "wedgectl.store.bundle", "wedgectl.render.text"} <= set(modules)
+    assert heavy_in(modules) == []
+    assert [m for m in modules if m.split(".")[0] in ("httpx", "http", "email", "ssl")] == []
+    live = ("wedgectl.collect", "wedgectl.capture.window", "wedgectl.lab", "wedgectl.tui",
+            "wedgectl.watch")
+    assert not any(m.startswith(live) for m in modules), modules
+
+
+# --- diagnose is a thin command: the library below it does the work, and prints what it printed -------------
+
+
+def _as_before_the_move(verdict, bundle, *, reclassified: bool, saved=None):
+    """The object `diagnose --json` printed when the command built it itself (before issue 34)."""
+    from wedgectl.classify.collective import rank_summaries
+    from wedgectl.render.text import failure_summary, render_report
+
+    if reclassified:
+        return render_report(verdict, True, source=bundle.manifest.source,
+                             recorded_verdict=bundle.verdict.verdict.value if bundle.verdict else None,
+                             ranks=rank_summaries(bundle) or None)
+    extra = {"source": bundle.manifest.source, "bundle": saved, "collector_failures": failure_summary(bundle)}
+    if bundle.manifest.target.pid is not None:
+        extra["pid"] = bundle.manifest.target.pid
+    if bundle.manifest.target.url is not None:
+        extra["url"] = bundle.manifest.target.url
+    probe_records = next((s.probes for s in reversed(bundle.samples) if s.probes), ())
+    if probe_records:
+        extra["probes"] = list(probe_records)
+    if rank_summaries(bundle):
+        extra["ranks"] = rank_summaries(bundle)
+    return render_report(verdict, True, **extra)
+
+
+@pytest.mark.parametrize("name", ["healthy-tp2", "collective-hang", "engine-deadlock-escalated", "starved"])
+def test_the_json_of_a_diagnosis_is_what_the_command_printed(name, tmp_path):
+    from wedgectl.capture.diagnosis import classify_and_save, reclassify
+    from wedgectl.render.text import render_diagnosis
+    from wedgectl.store.bundle import read_bundle
+
+    again = reclassify(BUNDLES / f"{name}.tar.gz")
+    assert list(render_diagnosis(again, True)) == list(_as_before_the_move(again.verdict, again.bundle,
+                                                                           reclassified=True))
+    out = json.loads("".join(render_diagnosis(again, True)))
+    assert list(out)[-3:] == ["source", "recorded_verdict", "ranks"]
+    # The same evidence as if just captured: classified as the sampler's bundle is, then saved.
+    fresh = classify_and_save(read_bundle(BUNDLES / f"{name}.tar.gz"), tmp_path / "b.tar.gz")
+    assert fresh.saved == tmp_path / "b.tar.gz" and read_bundle(fresh.saved).verdict == fresh.verdict
+    assert list(render_diagnosis(fresh, True)) == list(_as_before_the_move(fresh.verdict, fresh.bundle,
+                                                                           reclassified=False,
+                                                                           saved=str(tmp_path / "b.tar.gz")))
+    assert [k for k in json.loads("".join(render_diagnosis(fresh, True))) if k not in out][:2] == \
+        ["bundle", "collector_failures"]
+
+
+@pytest.mark.parametrize("sources, problem", [
+    ({}, "give one of --pid, --url, --log or --bundle"),
+    ({"bundle": Path("b"), "log": Path("l")}, "--bundle re-classifies saved evidence; it takes no other source"),
+    ({"bundle": Path("b"), "pid": 7}, "--bundle re-classifies saved evidence; it takes no other source"),
+    ({"pid": 7, "log": Path("l")}, None),
+    ({"url": "http://127.0.0.1:8000"}, None),
+])
+def test_which_sources_make_a_diagnosis(sources, problem):
+    from wedgectl.capture.diagnosis import source_problem
+
+    args = {"pid": None, "url": None, "log": None, "bundle": None, **sources}
+    assert source_problem(**args) == problem
+
+
+def test_diagnose_is_a_thin_command():
+    # Its options are declarations; what it does (source, capture, save, classify) is capture/diagnosis.py's.
+    import inspect
+
+    from wedgectl.cli import diagnose
+
+    source = inspect.getsource(diagnose)
+    body = source[source.index(") -> None:\n") + len(") -> None:\n"):]
+    assert len(body.strip().splitlines()) <= 30, body

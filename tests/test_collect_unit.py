@@ -252,14 +252,14 @@ def test_read_threads_missing_process_is_gone(tmp_path: Path) -> None:
 def test_read_threads_permission_on_syscall(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     full = {"stat": STAT_PLAIN, "wchan": "0", "syscall": SYSCALL_LOCK, "status": STATUS}
     _fake_proc(tmp_path, 4138, {4138: full, 4139: full})
-    real = procfs._read_text
+    real = procfs.threads.read_text
 
     def deny_syscall(path: Path | str) -> str:
         if Path(path).name == "syscall":
             raise PermissionError(13, "Permission denied", str(path))
         return real(path)
 
-    monkeypatch.setattr(procfs, "_read_text", deny_syscall)
+    monkeypatch.setattr(procfs.threads, "read_text", deny_syscall)
     threads, failures = procfs.read_threads(4138, tmp_path)
     assert len(threads) == 2 and all(t.syscall_nr is None for t in threads)
     assert [f.kind for f in failures] == [FailureKind.PERMISSION]  # one per process, not per thread
@@ -569,5 +569,5 @@ def test_boot_time_follows_a_stepped_wall_clock(tmp_path, monkeypatch):
     assert procfs.boot_time(tmp_path) == 1000.0
     (tmp_path / "stat").write_text("cpu  1 2 3\nbtime 1012\nprocesses 5\n")
     assert procfs.boot_time(tmp_path) == 1000.0  # within the TTL: the kept value
-    monkeypatch.setattr(procfs, "BOOT_TTL_S", 0.0)
+    monkeypatch.setattr(procfs.stat, "BOOT_TTL_S", 0.0)
     assert procfs.boot_time(tmp_path) == 1012.0

@@ -1,7 +1,7 @@
 """Issue 34: diagnose, top and watch say the same about one deployment.
 
-The three hold a deployment under watch each in their own code (sampler._capture, tui.source's
-LiveSource and Collector, watch.targets' Watched). They had drifted: top named a server started with
+The three held a deployment under watch each in their own code (the sampler's window, tui.source's
+LiveSource and Collector, watch.targets' Watched); they now hold one live session (capture.session). They had drifted: top named a server started with
 --served-model-name "?" (or by its full model path) where watch used the served name, and watch's
 manifests kept the URL's user:password where diagnose's and top's redacted it. Here one deployment
 (tests/targets/fake_vllm_serve.py: an API server, its EngineCore and Worker, its log a file over
@@ -30,10 +30,12 @@ import pytest
 
 from wedgectl.capture.discover import BUNDLE_LOG_BYTES, deployment_manifest, discover, served_model
 from wedgectl.read.redact import redact_argv
-from wedgectl.capture.sampler import SamplerOptions, capture
+from wedgectl.capture.options import SamplerOptions
+from wedgectl.capture.session import model_from_metrics
+from wedgectl.capture.window import capture
 from wedgectl.tui.source import Collector, LiveSource, find_servers
 from wedgectl.model.types import MetricsScrape, Sample
-from wedgectl.watch.targets import Spec, Watched, host_deployments, model_from_metrics
+from wedgectl.watch.targets import Spec, Watched, host_deployments
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = Path(__file__).parent / "targets"
@@ -161,6 +163,21 @@ def test_top_redacts_the_url_of_a_listener_found_late(deployment, metrics_url):
     assert top.deployment.metrics_url is not None  # it looked again
     assert top.manifest().target == deployment_manifest(dep, api).target
     assert PASSWORD not in repr(top.manifest()) and "<redacted>@" in (top.manifest().target.url or "")
+
+
+def test_watch_finds_a_late_listener_as_top_does(deployment, metrics_url):
+    """The same live session (capture.session) looks again for watch: the sample is scraped, and
+    its manifest names the URL found, redacted."""
+    api, _ = deployment
+    dep = discover(pid=api, url=metrics_url)
+    watched = Watched(Spec(pid=api, url=metrics_url), replace(dep, metrics_url=None), NODE)
+    try:
+        s = watched.sample(full=False, stacks=False, options=SamplerOptions())
+    finally:
+        watched.close()
+    assert watched.deployment.metrics_url is not None and s.metrics is not None and s.metrics.ok
+    m = watched.manifest("captured by wedgectl watch")
+    assert m.target == deployment_manifest(dep, api).target and PASSWORD not in repr(m)
 
 
 # ------------------------------------------------------------------ the model name

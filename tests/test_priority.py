@@ -1,5 +1,5 @@
 """diagnose's low priority: nice +NICE and the idle I/O class, given back when the kernel keeps it
-off a CPU too long (sampler.restore_priority_if_starved). Each case runs in a child: priorities
+off a CPU too long (priority.restore_priority_if_starved). Each case runs in a child: priorities
 are per process, and the test run must not be left niced."""
 
 from __future__ import annotations
@@ -11,17 +11,17 @@ import sys
 
 CHILD = """
 import json, os, sys
-from wedgectl.capture import sampler
+from wedgectl.collect import priority
 from wedgectl.collect import procfs
 start = os.getpriority(os.PRIO_PROCESS, 0)
 delays = iter(json.loads(sys.argv[1]))
 real = procfs.own_run_delay_s()
 procfs.own_run_delay_s = lambda: next(delays)
-problems = sampler.lower_priority()
+problems = priority.lower_priority()
 out = {"start": start, "real_delay": real, "problems": problems, "after_lower": os.getpriority(os.PRIO_PROCESS, 0),
        "said": [], "nice": []}
 for _ in range(int(sys.argv[2])):
-    out["said"].append(sampler.restore_priority_if_starved())
+    out["said"].append(priority.restore_priority_if_starved())
     out["nice"].append(os.getpriority(os.PRIO_PROCESS, 0))
 print(json.dumps(out))
 """
@@ -35,7 +35,7 @@ def run(delays: list[float], checks: int) -> dict:
 
 
 def test_a_capture_that_waits_too_long_for_a_cpu_gets_its_priority_back():
-    from wedgectl.capture.sampler import NICE, STARVED_S
+    from wedgectl.collect.priority import NICE, STARVED_S
 
     # run delay at lower_priority, then at three checks: under the limit, over it, later still
     out = run([10.0, 10.0 + STARVED_S / 2, 10.0 + STARVED_S + 0.5, 30.0], 3)
@@ -50,7 +50,7 @@ def test_a_capture_that_waits_too_long_for_a_cpu_gets_its_priority_back():
 
 
 def test_a_capture_that_gets_its_share_stays_below_the_server():
-    from wedgectl.capture.sampler import NICE
+    from wedgectl.collect.priority import NICE
 
     out = run([5.0, 5.1, 5.2, 5.3], 3)
     assert out["said"] == [None, None, None] and out["nice"] == [out["start"] + NICE] * 3
@@ -58,18 +58,18 @@ def test_a_capture_that_gets_its_share_stays_below_the_server():
 
 def test_the_nice_is_given_back_once_the_target_is_sampled():
     # diagnose gives it back after the capture: classify, print and exit are its own work
-    code = ("import os; from wedgectl.capture import sampler; s = os.getpriority(os.PRIO_PROCESS, 0); sampler.lower_priority(); "
-            "low = os.getpriority(os.PRIO_PROCESS, 0); err = sampler.restore_priority(); "
-            "print(low - s, os.getpriority(os.PRIO_PROCESS, 0) - s, err, sampler.restore_priority(), sep='|')")
+    code = ("import os; from wedgectl.collect import priority; s = os.getpriority(os.PRIO_PROCESS, 0); priority.lower_priority(); "
+            "low = os.getpriority(os.PRIO_PROCESS, 0); err = priority.restore_priority(); "
+            "print(low - s, os.getpriority(os.PRIO_PROCESS, 0) - s, err, priority.restore_priority(), sep='|')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    from wedgectl.capture.sampler import NICE
+    from wedgectl.collect.priority import NICE
 
     low, back, err, again = r.stdout.strip().split("|")
     assert int(low) == NICE and again == "None"
     assert (int(back), err) == ((0, "None") if os.geteuid() == 0 else (NICE, err))
 
 
-# --urgent (sampler.raise_priority): which scheduling group the kernel puts wedgectl in.
+# --urgent (priority.raise_priority): which scheduling group the kernel puts wedgectl in.
 
 V1 = "9:name=systemd:/\n4:memory:/process_api/83707dcfe83d\n2:cpuacct:/\n1:cpu:/\n0::/\n"  # recorded: this project's VM
 V1_JOINT = "12:cpu,cpuacct:/docker/4f1c\n1:name=systemd:/docker/4f1c\n"

@@ -20,7 +20,7 @@ from wedgectl.lab.runtime.install import (
     runtime_dir,
     runtime_python,
 )
-from wedgectl.collect.control import free_port
+from wedgectl.collect.control import ChildTimeout, free_port
 from wedgectl.lab.runtime.launcher import ServerSpec, serve_args, server_env
 
 
@@ -129,7 +129,7 @@ def test_install_rejects_the_wrong_vllm_version(tmp_path: Path) -> None:
 
 def test_install_reports_a_step_timeout(tmp_path: Path) -> None:
     def slow(argv, **kwargs):
-        raise subprocess.TimeoutExpired(argv, kwargs["timeout"], output=b"half")
+        raise ChildTimeout(argv, kwargs["timeout"], output=b"half")
 
     with pytest.raises(RuntimeInstallError, match="ran past"):
         install_runtime(venv=tmp_path / "rt", run=slow, timeout_s=5)

@@ -1,4 +1,4 @@
-"""The sampler's escalation (sampler.next_step) and the short-window certainty it relies on, on recorded bundles.
+"""The sampler's escalation (capture.policy.next_step) and the short-window certainty it relies on, on recorded bundles.
 
 Each recorded bundle (tests/fixtures/bundles) is a real capture, one sample a
 second. Replaying its samples one by one shows what a live capture decides after
@@ -19,7 +19,8 @@ from wedgectl.classify import classify
 from wedgectl.classify.corroboration import starved_for_capacity, wedge_refused_for_capacity
 from wedgectl.classify.facts import MIN_FROZEN_S, Facts
 from wedgectl.read.metrics import parse_metrics
-from wedgectl.capture.sampler import CERTAIN, ESCALATE_BURST, SamplerOptions, hang_shaped, next_step
+from wedgectl.capture.options import ESCALATE_BURST, SamplerOptions
+from wedgectl.capture.policy import CERTAIN, hang_shaped, next_step
 from wedgectl.model.types import Bundle, Role, VerdictKind
 
 BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
@@ -256,7 +257,7 @@ def test_a_window_whose_scrapes_are_thin_runs_on_up_to_twice_its_length():
     """The leaked-capacity repro on a loaded host: the first scrape answered, the next one (5.4 s
     later: our own threads had waited for a CPU) timed out. One scrape measures no rate and no
     held excess, so the window runs on; at twice its length it stops whatever it has."""
-    from wedgectl.capture.sampler import EXTEND_FACTOR, thin_scrapes
+    from wedgectl.capture.policy import EXTEND_FACTOR, thin_scrapes
 
     b = load("leaked-capacity")
     failed = replace(b.samples[1].metrics, text=None, status=None, error="timeout: body not complete within 4.0s")
@@ -353,7 +354,7 @@ def test_saturated_server_scrapes_answered_and_counters_moved():
 
 
 def test_a_stepping_engine_is_read_from_proc_alone():
-    from wedgectl.capture.sampler import STEPPING_QUIET_S, engine_stepping
+    from wedgectl.capture.policy import STEPPING_QUIET_S, engine_stepping
 
     h = load("healthy").samples[0]
     assert engine_stepping(with_quiet(h, 0.0).processes)
@@ -377,7 +378,7 @@ def python_pids(procs) -> list[int]:
 def test_the_first_sample_dumps_every_process_unless_the_engine_is_stepping(monkeypatch, quiet, dumped):
     """A serving engine's first sample takes no py-spy dump (the scrapes decide it); a parked or
     unread engine's does. A later burst then dumps the other processes once too."""
-    import wedgectl.capture.sampler as sampler
+    from wedgectl.capture import bursts, sample
     from wedgectl.capture.discover import Deployment
 
     first = load("healthy").samples[0]
@@ -385,9 +386,9 @@ def test_the_first_sample_dumps_every_process_unless_the_engine_is_stepping(monk
     dep = Deployment(root_pid=procs[0].pid, api_pid=procs[0].pid, roles={p.pid: p.role for p in procs},
                      base_url=None, metrics_url=None)
     dumps: list[tuple[int, int]] = []
-    monkeypatch.setattr(sampler, "_collect_processes", lambda dep, tree=None: (procs, []))
-    monkeypatch.setattr(sampler, "_dump_burst", lambda pid, native, n: dumps.append((pid, n)) or [])
-    pending = sampler._begin(dep, None, SamplerOptions(), burst=1, first=True)
+    monkeypatch.setattr(sample, "collect_processes", lambda dep, tree=None: (procs, []))
+    monkeypatch.setattr(bursts, "dump_burst", lambda pid, native, n: dumps.append((pid, n)) or [])
+    pending = sample.begin_sample(dep, None, SamplerOptions(), burst=1, first=True)
     pending.sample(dep)
     assert (pending.burst == 1, bool(dumps)) == (dumped, dumped)
     assert sorted(pid for pid, _ in dumps) == (python_pids(procs) if dumped else [])
@@ -395,10 +396,21 @@ def test_the_first_sample_dumps_every_process_unless_the_engine_is_stepping(monk
     # first sample dumped nothing, not at all when it did.
     for others in (False, True):
         dumps.clear()
-        sampler._collect_stacks(procs, False, ESCALATE_BURST, others=others)
+        bursts.collect_stacks(procs, False, ESCALATE_BURST, others=others)
         engine = {p.pid for p in procs if p.role in (Role.ENGINE_CORE, Role.WORKER)}
         assert {pid for pid, n in dumps if n == ESCALATE_BURST} == engine
         assert bool({pid for pid, n in dumps if n == 1}) is others
+
+
+def run_window(dep, options, scraper, log_path=None, probe_options=None):
+    """diagnose's window (capture.window.Window) over `dep`, its scrapes answered by `scraper`."""
+    from wedgectl.capture.probing import Probes
+    from wedgectl.capture.session import LiveSession
+    from wedgectl.capture.window import Window
+
+    session = LiveSession(dep, dep.root_pid, log_path=log_path)
+    session.scraper = scraper
+    return Window(session, options, Probes(dep, probe_options or options)).run()
 
 
 class RecordedScraper:
@@ -422,7 +434,7 @@ def test_a_capture_without_its_first_dump_takes_it_before_any_verdict_but_progre
     """The first sample leaves the dump out for an engine /proc shows stepping. A capture that
     stops on "progressing" never dumps (its counters decided it); one that stops on anything else
     dumps every Python process once, onto its last sample, as the first sample would have."""
-    import wedgectl.capture.sampler as sampler
+    from wedgectl.capture import bursts, sample
     from wedgectl.capture.discover import Deployment
 
     b = load(name)
@@ -430,10 +442,10 @@ def test_a_capture_without_its_first_dump_takes_it_before_any_verdict_but_progre
     dep = Deployment(root_pid=procs[0].pid, api_pid=procs[0].pid, roles={p.pid: p.role for p in procs},
                      base_url="http://127.0.0.1:1", metrics_url="http://127.0.0.1:1/metrics")
     dumps: list[tuple[int, int]] = []
-    monkeypatch.setattr(sampler, "_collect_processes", lambda dep, tree=None: (procs, []))
-    monkeypatch.setattr(sampler, "_dump_burst", lambda pid, native, n: dumps.append((pid, n)) or [])
+    monkeypatch.setattr(sample, "collect_processes", lambda dep, tree=None: (procs, []))
+    monkeypatch.setattr(bursts, "dump_burst", lambda pid, native, n: dumps.append((pid, n)) or [])
     options = SamplerOptions(window_s=4.0, interval_s=0.3)
-    out = sampler._capture(dep, dep.root_pid, None, None, options, RecordedScraper(b), sampler._Probes(dep, options))
+    out = run_window(dep, options, RecordedScraper(b))
     assert classify(out).verdict is kind and len(out.samples) == 2
     python = python_pids(procs)
     assert sorted(pid for pid, n in dumps if n == 1) == ([] if kind is VerdictKind.PROGRESSING else python)
@@ -441,7 +453,7 @@ def test_a_capture_without_its_first_dump_takes_it_before_any_verdict_but_progre
 
 
 def test_the_quick_look_is_for_a_first_sample_that_answered_and_does_not_look_hung():
-    from wedgectl.capture.sampler import QUICK_LOOK_S, quick_look
+    from wedgectl.capture.policy import QUICK_LOOK_S, quick_look
 
     def first(name):
         b = load(name)
@@ -466,7 +478,7 @@ def test_a_quick_look_decides_a_serving_or_idle_server_and_leaves_the_grid_to_a_
     gets no quick look: its second sample waits the interval, and its verdict MIN_FROZEN_S."""
     import time
 
-    import wedgectl.capture.sampler as sampler
+    from wedgectl.capture import bursts, sample, window
     from wedgectl.capture.discover import Deployment
 
     b = load(name)
@@ -474,14 +486,14 @@ def test_a_quick_look_decides_a_serving_or_idle_server_and_leaves_the_grid_to_a_
     dep = Deployment(root_pid=procs[0].pid, api_pid=procs[0].pid, roles={p.pid: p.role for p in procs},
                      base_url="http://127.0.0.1:1", metrics_url="http://127.0.0.1:1/metrics")
     recorded = [s.processes for s in b.samples]  # in order, the last repeated: the CPU each burned
-    monkeypatch.setattr(sampler, "_collect_processes", lambda dep, tree=None: (recorded.pop(0) if len(recorded) > 1 else recorded[0], []))
-    monkeypatch.setattr(sampler, "_dump_burst", lambda pid, native, n: [])
+    monkeypatch.setattr(sample, "collect_processes", lambda dep, tree=None: (recorded.pop(0) if len(recorded) > 1 else recorded[0], []))
+    monkeypatch.setattr(bursts, "dump_burst", lambda pid, native, n: [])
     begun: list[float] = []
-    real_begin = sampler._begin
-    monkeypatch.setattr(sampler, "_begin", lambda *a, **k: begun.append(time.monotonic()) or real_begin(*a, **k))
+    real_begin = window.begin_sample
+    monkeypatch.setattr(window, "begin_sample", lambda *a, **k: begun.append(time.monotonic()) or real_begin(*a, **k))
     said: list[str] = []
     options = SamplerOptions(window_s=3.0, progress=said.append)
-    out = sampler._capture(dep, dep.root_pid, None, None, options, RecordedScraper(b), sampler._Probes(dep, options))
+    out = run_window(dep, options, RecordedScraper(b))
     assert any("quick look" in m for m in said) is quick
     v = classify(out)
     if quick:
@@ -501,7 +513,7 @@ def test_a_log_that_grew_past_progressing_gets_the_stacks_the_stop_skipped(monke
     as read at the start said "progressing"; no dump was taken. By the end the server had logged
     two more stats lines, and the log as read then says "starved": that verdict's evidence gets
     one dump of every Python process. A log that did not grow leaves "progressing", undumped."""
-    import wedgectl.capture.sampler as sampler
+    from wedgectl.capture import bursts, sample
     from wedgectl.capture.discover import Deployment
 
     b = read_bundle(Path(__file__).parent / "fixtures" / "capacity" / "leaked-capacity-loaded.tar.gz")
@@ -519,8 +531,8 @@ def test_a_log_that_grew_past_progressing_gets_the_stacks_the_stop_skipped(monke
     dep = Deployment(root_pid=procs[0].pid, api_pid=procs[0].pid, roles={p.pid: p.role for p in procs},
                      base_url="http://127.0.0.1:1", metrics_url="http://127.0.0.1:1/metrics")
     dumps: list[tuple[int, int]] = []
-    monkeypatch.setattr(sampler, "_collect_processes", lambda dep, tree=None: (procs, []))
-    monkeypatch.setattr(sampler, "_dump_burst", lambda pid, native, n: dumps.append((pid, n)) or [])
+    monkeypatch.setattr(sample, "collect_processes", lambda dep, tree=None: (procs, []))
+    monkeypatch.setattr(bursts, "dump_burst", lambda pid, native, n: dumps.append((pid, n)) or [])
     # The log's stamps are the recorded run's clock: the capture runs on that clock too, or the
     # log would read as silent since then.
     import time
@@ -530,7 +542,7 @@ def test_a_log_that_grew_past_progressing_gets_the_stacks_the_stop_skipped(monke
     # r2's shape: its second sample began 5.4 s into a 6 s window (the host kept wedgectl off a
     # CPU), so the window was over before any burst: here an interval past twice the window.
     options = SamplerOptions(window_s=1.0, interval_s=2.0)
-    out = sampler._capture(dep, dep.root_pid, None, str(log), options, Growing(b), sampler._Probes(dep, options))
+    out = run_window(dep, options, Growing(b), log_path=str(log))
     assert len(out.samples) == 2
     v = classify(out)
     assert v.verdict is (VerdictKind.STARVED if log_grows else VerdictKind.PROGRESSING), v.rule
@@ -550,7 +562,7 @@ RACED = ("error: py-spy exited 1: Error: Failed to get stack traces | Caused by:
     ([None], 1, True),
 ])
 def test_a_raced_dump_is_retried(monkeypatch, outcomes, tries, good):
-    import wedgectl.capture.sampler as sampler
+    from wedgectl.capture import bursts
     from wedgectl.model.types import StackDump
 
     calls: list[int] = []
@@ -560,9 +572,9 @@ def test_a_raced_dump_is_retried(monkeypatch, outcomes, tries, good):
         calls.append(pid)
         return StackDump(pid, 0.0, native, threads=() if err else ({"thread_id": 1, "frames": []},), error=err)
 
-    monkeypatch.setattr(sampler.pyspy, "dump_stacks", fake)
-    monkeypatch.setattr(sampler, "BURST_GAP_S", 0.0)
-    out = sampler._dump_burst(7, False, 1)
+    monkeypatch.setattr(bursts.pyspy, "dump_stacks", fake)
+    monkeypatch.setattr(bursts, "BURST_GAP_S", 0.0)
+    out = bursts.dump_burst(7, False, 1)
     assert len(calls) == tries and len(out) == 1
     assert (out[0].error is None) is good
     if not good:
@@ -576,7 +588,7 @@ def test_a_hang_the_window_ends_on_before_its_burst_gets_the_burst_then(monkeypa
     before the burst the escalation would have asked for next. A hang class then gets the burst of
     its engine's processes on the last sample (whether a rank's frame stayed put is what a
     collective hang's ranks read), and the verdict is drawn with it."""
-    import wedgectl.capture.sampler as sampler
+    from wedgectl.capture import bursts, policy, sample, window
     from wedgectl.capture.discover import Deployment
 
     b = load(name)
@@ -589,21 +601,20 @@ def test_a_hang_the_window_ends_on_before_its_burst_gets_the_burst_then(monkeypa
         return [d for d in sample.stacks if d.pid == pid and d.error is None]
     dumps: list[tuple[int, int]] = []
     recorded = [s.processes for s in b.samples]  # each sample's /proc in turn: the engine's CPU moves as recorded
-    monkeypatch.setattr(sampler, "_collect_processes", lambda dep, tree=None: (recorded.pop(0) if len(recorded) > 1 else recorded[0], []))
-    monkeypatch.setattr(sampler, "_dump_burst", lambda pid, native, n: dumps.append((pid, n))
+    monkeypatch.setattr(sample, "collect_processes", lambda dep, tree=None: (recorded.pop(0) if len(recorded) > 1 else recorded[0], []))
+    monkeypatch.setattr(bursts, "dump_burst", lambda pid, native, n: dumps.append((pid, n))
                         or recorded_dumps(b.samples[0] if n == 1 else burst_sample, pid)[:n])
-    monkeypatch.setattr(sampler, "hang_shaped", lambda f: False)  # the first sample did not look hung
+    monkeypatch.setattr(window, "hang_shaped", lambda f: False)  # the first sample did not look hung
     # The window is over at the second sample (a quick look, 0.3 s in), before the escalation's burst;
     # its thin scrapes stretch it, which asks for no burst. Stretched to 3 times its length, 3.6 s,
     # the capture ends once the scrapes span MIN_FROZEN_S (the 4th sample, ~2 s in, or the 5th): a
     # hang can be named, not yet certain. (Stretched to twice, it always ended on the 4th, where
     # whether the scrapes spanned MIN_FROZEN_S, and a hang could be named at all, turned on a
     # loaded host's timing.)
-    monkeypatch.setattr(sampler, "EXTEND_FACTOR", 3.0)
+    monkeypatch.setattr(policy, "EXTEND_FACTOR", 3.0)
     options = SamplerOptions(window_s=1.2, interval_s=1.0)
     said: list[str] = []
-    out = sampler._capture(dep, dep.root_pid, None, None, replace(options, progress=said.append), RecordedScraper(b),
-                           sampler._Probes(dep, options))
+    out = run_window(dep, replace(options, progress=said.append), RecordedScraper(b), probe_options=options)
     assert not any("stack burst" in line and "not certain" in line for line in said), said  # the escalation asked for none
     engine = sorted(p.pid for p in procs if p.role in (Role.ENGINE_CORE, Role.WORKER))
     assert sorted(pid for pid, n in dumps if n == ESCALATE_BURST) == engine

@@ -99,7 +99,7 @@ def _snapshot(now: float = 1000.0, grace: float = 60.0, name: str = "n:8001/wedg
 
 
 def test_a_served_model_name_forges_no_episode_line_and_no_livez_line(vllm_metrics):
-    from wedgectl.capture.sampler import SamplerOptions
+    from wedgectl.capture.options import SamplerOptions
     from wedgectl.watch.targets import Spec, Watched
 
     w = Watched.connect(Spec(url=vllm_metrics), "node")

@@ -27,7 +27,7 @@ from wedgectl.classify import classify
 from wedgectl.collect.scrape import Scraper
 from wedgectl.capture.discover import discover
 from wedgectl.collect.control import free_port
-from wedgectl.capture.sampler import SamplerOptions
+from wedgectl.capture.options import SamplerOptions
 from wedgectl.model.types import Bundle
 from wedgectl.watch import Spec, WatchOptions, Watcher, make_registry
 from wedgectl.watch.targets import Watched
@@ -210,7 +210,7 @@ def test_the_scrapers_of_a_target_read_no_page_bigger_than_its_budget():
         w.set_budget(1 << 20)
         s = w.sample(full=False, stacks=False, options=SamplerOptions(scrape_timeout_s=10.0))
     assert s.metrics.error.startswith("bad_data: body over") and s.failures[0].kind.value == "bad_data"
-    assert isinstance(w._cheap, Scraper) and w._cheap.max_bytes < 1 << 20
+    assert isinstance(w.session.cheap_scraper, Scraper) and w.session.cheap_scraper.max_bytes < 1 << 20
 
 
 # ------------------------------------------------------------------ host mode

@@ -228,7 +228,8 @@ async def test_top_w_shows_the_plan_and_acts_only_after_y(monkeypatch, superviso
     from wedgectl.lab import swap
     from wedgectl.store.bundle import read_bundle
     from wedgectl.tui import app as top_app
-    from wedgectl.tui.app import ConfirmSwap, make_app
+    from wedgectl.tui.app import make_app
+    from wedgectl.tui.screens import ConfirmSwap
 
     plan = swap.SwapPlan(api_pid=4101, tree=(4101, 4102), argv=("/venv/bin/python", "-m", "vllm", "serve", "tiny",
                          "--api-key", "sk-never-shown"), cwd="/srv", env={"HF_TOKEN": "hf_never_shown"},

@@ -16,7 +16,9 @@ from wedgectl.store.bundle import read_bundle
 from wedgectl.classify import classify
 from wedgectl.capture.discover import Deployment
 from wedgectl.tui import app as top_app
-from wedgectl.tui.app import ConfirmSwap, HelpScreen, PickerScreen, make_app
+from wedgectl.tui import screens
+from wedgectl.tui.app import make_app
+from wedgectl.tui.screens import ConfirmSwap, HelpScreen, PickerScreen
 from wedgectl.tui.source import BundleSource, LiveSource, ServerInfo
 from wedgectl.tui.widgets import EvidenceView, ProcessTable, StackView, StatusLine, ThreadTable, VerdictBanner
 from wedgectl.model.types import MetricsScrape, Role, Sample
@@ -316,10 +318,12 @@ async def test_swap_says_when_this_build_has_no_swap(monkeypatch):
 
 @pytest.mark.asyncio
 async def test_swap_asks_first_then_calls_swap_deployment(monkeypatch):
+    from wedgectl.lab import swap
+
     called = []
-    fake = types.ModuleType("wedgectl.lab.swap")
-    fake.swap_deployment = lambda pid, progress=None: called.append(pid) or types.SimpleNamespace(ok=True, message="", new_pid=None)
-    monkeypatch.setitem(sys.modules, "wedgectl.lab.swap", fake)
+    monkeypatch.setattr(top_app, "swap_plan", lambda pid: (None, [f"swap pid {pid}"], ""))  # the plan read, not made
+    monkeypatch.setattr(swap, "swap_deployment", lambda pid, progress=None, plan=None: called.append(pid)
+                        or types.SimpleNamespace(ok=True, message="", new_pid=None))
     monkeypatch.setattr(top_app, "swap_available", lambda: True)
     src = ScriptedSource(read_bundle(WEDGE))
     app = make_app(src, refresh_s=30)
@@ -340,7 +344,7 @@ async def test_swap_asks_first_then_calls_swap_deployment(monkeypatch):
 async def test_with_no_target_the_picker_lists_servers_and_watches_the_chosen_one(monkeypatch):
     b = read_bundle(WEDGE)
     pid = b.manifest.target.pid
-    monkeypatch.setattr(top_app, "find_servers", lambda: [ServerInfo(pid, "http://127.0.0.1:8000", "tiny", time.time() - 60, "vllm serve tiny")])
+    monkeypatch.setattr(screens, "find_servers", lambda: [ServerInfo(pid, "http://127.0.0.1:8000", "tiny", time.time() - 60, "vllm serve tiny")])
     monkeypatch.setattr(top_app.LiveSource, "connect", classmethod(lambda cls, pid=None, url=None: ScriptedSource(b)))
     app = make_app(None, refresh_s=30)
     async with app.run_test(size=SIZE) as pilot:
@@ -351,7 +355,7 @@ async def test_with_no_target_the_picker_lists_servers_and_watches_the_chosen_on
         # Fixed widths: an auto column sized before its rows came stayed at its header's width
         # on a loaded host, and showed the URL as "htt".
         assert [(c.auto_width, c.width) for c in table.columns.values()] == [
-            (False, 7), (False, top_app.URL_WIDTH), (False, top_app.MODEL_WIDTH), (False, 4), (False, top_app.COMMAND_WIDTH)]
+            (False, 7), (False, screens.URL_WIDTH), (False, screens.MODEL_WIDTH), (False, 4), (False, screens.COMMAND_WIDTH)]
         await pilot.press("enter")
         await until(pilot, lambda: app.frame is not None)
         assert not isinstance(app.screen, PickerScreen)
@@ -388,9 +392,11 @@ async def test_the_quiet_stacks_period_reaches_the_collector_and_the_status_line
 
 @pytest.mark.asyncio
 async def test_a_failed_swap_is_shown_and_top_keeps_watching(monkeypatch):
-    fake = types.ModuleType("wedgectl.lab.swap")
-    fake.swap_deployment = lambda pid, progress=None: types.SimpleNamespace(ok=False, message="rolled back: new server never healthy", new_pid=None)
-    monkeypatch.setitem(sys.modules, "wedgectl.lab.swap", fake)
+    from wedgectl.lab import swap
+
+    monkeypatch.setattr(top_app, "swap_plan", lambda pid: (None, [f"swap pid {pid}"], ""))
+    monkeypatch.setattr(swap, "swap_deployment", lambda pid, progress=None, plan=None: types.SimpleNamespace(
+        ok=False, message="rolled back: new server never healthy", new_pid=None))
     monkeypatch.setattr(top_app, "swap_available", lambda: True)
     app = make_app(ScriptedSource(read_bundle(WEDGE)), refresh_s=0.2)
     async with app.run_test(size=SIZE) as pilot:

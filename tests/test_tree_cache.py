@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from wedgectl.capture import sampler
-from wedgectl.capture.sampler import TreeCache
+from wedgectl.capture import tree as tree_cache
+from wedgectl.capture.tree import TreeCache
 from wedgectl.model.types import Role
 
 PARENT = """
@@ -42,7 +42,7 @@ def test_the_tree_is_walked_once_while_it_is_fresh_and_whole(tree, monkeypatch):
         walks.append(pid)
         return {root: Role.OTHER, **{k: Role.OTHER for k in kids}}  # the roles; the pids are the real tree's
 
-    monkeypatch.setattr(sampler, "tree_roles", walk)
+    monkeypatch.setattr(tree_cache, "tree_roles", walk)
     cache = TreeCache(ttl_s=60)
     for _ in range(5):
         assert set(cache.roles(root)) == {root, *kids}
@@ -60,7 +60,7 @@ def test_the_tree_is_walked_once_while_it_is_fresh_and_whole(tree, monkeypatch):
 def test_a_tree_is_walked_again_every_full_every_s_and_for_another_root(tree, monkeypatch):
     root, kids = tree
     walks: list[int] = []
-    monkeypatch.setattr(sampler, "tree_roles", lambda pid: walks.append(pid) or {root: Role.OTHER})
+    monkeypatch.setattr(tree_cache, "tree_roles", lambda pid: walks.append(pid) or {root: Role.OTHER})
     # No full walk due yet, however slow a loaded host makes this: a look, not a walk
     cache = TreeCache(ttl_s=0.05, full_every_s=3600)
     cache.roles(root)
@@ -90,8 +90,8 @@ def test_a_look_walks_only_when_a_process_of_the_deployment_started(monkeypatch)
     process started elsewhere on the host is not walked for; a child the deployment starts is
     found at the next look (real processes, the real walk)."""
     walks: list[int] = []
-    real = sampler.tree_roles
-    monkeypatch.setattr(sampler, "tree_roles", lambda pid: walks.append(pid) or real(pid))
+    real = tree_cache.tree_roles
+    monkeypatch.setattr(tree_cache, "tree_roles", lambda pid: walks.append(pid) or real(pid))
     parent = subprocess.Popen([sys.executable, "-c", SPAWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     elsewhere = None
     kids: list[int] = []

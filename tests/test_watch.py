@@ -22,7 +22,8 @@ from wedgectl.watch.daemon import episode_lines
 from wedgectl.watch.exposition import Endpoint, parse_listen
 from wedgectl.watch.recorder import Rotation, bundle_name, recorded, rotate, save_onset
 from wedgectl.watch.state import CALM_TICKS, Escalation, queue_of, trouble
-from wedgectl.watch.targets import node_name, served_model
+from wedgectl.capture.discover import served_model
+from wedgectl.watch.targets import node_name
 
 BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
 V = VerdictKind
@@ -291,7 +292,7 @@ def test_a_cheap_sample_reads_process_cpu_and_one_scrape_without_threads():
     import sys
 
     from wedgectl.capture.discover import Deployment
-    from wedgectl.capture.sampler import SamplerOptions
+    from wedgectl.capture.options import SamplerOptions
     from wedgectl.model.types import Role
     from wedgectl.watch.targets import Spec, Watched
 

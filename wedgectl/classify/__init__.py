@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from wedgectl.classify import confidence as C
 from wedgectl.classify.evidence import engine_cpu_evidence, engine_stack_evidence, metrics_evidence, present
-from wedgectl.classify.facts import MIN_FROZEN_S, Facts, Series, slope_per_s, unix_to_logtime
+from wedgectl.classify.facts import MIN_FROZEN_S, Facts, unix_to_logtime
+from wedgectl.classify.series import Series, slope_per_s
 from wedgectl.classify.live import LIVE_RULES
 from wedgectl.classify.log import LOG_RULES
 from wedgectl.classify.rule import Rule

@@ -1,6 +1,6 @@
 """Evidence that makes a short window certain: vLLM's own reasons for a queue, agreeing with the stacks.
 
-A live capture stops once the verdict is certain (wedgectl/capture/sampler.py). Counters
+A live capture stops once the verdict is certain (wedgectl/capture/window.py). Counters
 frozen for MIN_FROZEN_S alone could be a slow step; these predicates name the
 readings that leave no other reading, so the rules may be certain without
 waiting CERTAIN_FROZEN_S. Each holds only over at least MIN_FROZEN_S of scrapes, but

@@ -35,7 +35,7 @@ class CountPoint:
 def count_points(f: Facts) -> tuple[CountPoint, ...]:
     """Every sample that has both a parsed scrape and every API server's established-connection count.
 
-    The two are read side by side within one sample (sampler.take_sample), so each pair is one
+    The two are read side by side within one sample (capture/sample.py's take_sample), so each pair is one
     instant; a sample whose connections were unreadable (no CAP_SYS_PTRACE) gives no point."""
     points = []
     for s in f.samples:

@@ -24,7 +24,8 @@ from wedgectl.classify.evidence import (
 )
 from wedgectl.classify.corroboration import starved_for_capacity, wedge_refused_for_capacity
 from wedgectl.classify.deferred import DEFERRED, DEFERRED_ADVICE, reason_text, waiting_reason
-from wedgectl.classify.facts import CERTAIN_FROZEN_S, STEAL_SHARE, Facts, mostly_queued, mostly_throttled, slope_per_s
+from wedgectl.classify.facts import CERTAIN_FROZEN_S, STEAL_SHARE, Facts, mostly_queued, mostly_throttled
+from wedgectl.classify.series import slope_per_s
 from wedgectl.classify.leak import LEAK_RULE
 from wedgectl.classify.orphan import ORPHAN_RULE
 from wedgectl.classify.rule import Rule

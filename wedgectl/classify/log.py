@@ -7,7 +7,8 @@ from wedgectl.classify import confidence as C
 from wedgectl.classify.collective import STEP_TIMEOUT_RULE
 from wedgectl.classify.evidence import (STARVED_ADVICE, failure_evidence, fmt_duration, log_stamp, message,
                                         stats_evidence)
-from wedgectl.classify.facts import LOG_SILENCE_S, STATS_INTERVAL_S, Facts, slope_per_s
+from wedgectl.classify.facts import LOG_SILENCE_S, STATS_INTERVAL_S, Facts
+from wedgectl.classify.series import slope_per_s
 from wedgectl.classify.rule import Rule
 from wedgectl.classify.startup import LOG_STARTUP_RULE, phase_lines, startup_state
 from wedgectl.read.logparse import StatsLine

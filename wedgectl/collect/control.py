@@ -1,9 +1,11 @@
-"""Process control: the bounded child runner, the one signal sender, stopping a process tree, ports.
+"""Process control: spawning children, the bounded child runner, the one signal sender, stopping a process tree, ports.
 
-The only code that signals a process or waits on a child. Every wait is bounded, the ones after a
-SIGKILL included: a child reading a target in state D (py-spy, bpftrace) can itself block in the
-kernel. A signal goes only to the process that was planned (its start time checked, a pidfd where
-the kernel has them), never to whoever holds its pid now.
+The only code that starts, signals or waits on a process, and the only one that installs signal
+handlers; the layers above name signals, streams and failures in this module's own words (`Signal`,
+`Stream`, `ChildError`, `ChildTimeout`, `Child`), never subprocess's, signal's or psutil's. Every
+wait is bounded, the ones after a SIGKILL included: a child reading a target in state D (py-spy,
+bpftrace) can itself block in the kernel. A signal goes only to the process that was planned (its
+start time checked, a pidfd where the kernel has them), never to whoever holds its pid now.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from subprocess import DEVNULL, STDOUT, CompletedProcess, SubprocessError, TimeoutExpired  # noqa: F401  (issue 34: to go)
-from typing import Any
+from types import FrameType
+from typing import IO, Any, Protocol
 
 import psutil
 
@@ -31,6 +33,54 @@ STOP_POLL_S = 0.05
 KILL_WAIT_S = 5.0  # after SIGKILL, for the kernel to end what was killed
 TOOL_KILL_WAIT_S = 2.0  # for a tool (py-spy, bpftrace) to end after the SIGKILL that follows its timeout
 REAP_WAIT_S = 5.0  # then for init (or a subreaper) to reap the orphans: seconds on some machines
+
+
+class Signal(enum.IntEnum):
+    """The signals wedgectl sends or handles, by their short names (Signal.TERM is SIGTERM)."""
+
+    INT = signal.SIGINT
+    TERM = signal.SIGTERM
+    HUP = signal.SIGHUP
+    QUIT = signal.SIGQUIT
+    KILL = signal.SIGKILL
+
+    @property
+    def full_name(self) -> str:
+        """The name the kernel's headers use: "SIGTERM"."""
+        return f"SIG{self.name}"
+
+    @classmethod
+    def named(cls, name: str) -> Signal:
+        """The signal a configuration names ("SIGTERM"); ValueError for one it does not know."""
+        for sig in cls:
+            if sig.full_name == name:
+                return sig
+        raise ValueError(f"unknown signal {name!r}")
+
+
+class Stream(enum.Enum):
+    """Where a child's stdin or stderr goes."""
+
+    NULL = subprocess.DEVNULL  # /dev/null
+    PIPE = subprocess.PIPE  # read back by the caller
+    STDOUT = subprocess.STDOUT  # stderr only: merged into stdout
+
+
+class ChildError(subprocess.SubprocessError):
+    """A child could not be run to its end: it could not be started as asked (a failed switch of
+    user), or it ran past its bound (ChildTimeout). An OSError (no such file) stays one."""
+
+
+class ChildTimeout(ChildError, subprocess.TimeoutExpired):
+    """A child ran past its bound; `output` and `stderr` hold what it wrote before the kill."""
+
+
+class Finished(subprocess.CompletedProcess[str]):
+    """A child run to its end: its `returncode`, and its `stdout` and `stderr` as text."""
+
+
+def _fd(stream: Stream | int | IO[Any] | None) -> int | IO[Any] | None:
+    return stream.value if isinstance(stream, Stream) else stream
 
 
 @dataclass(frozen=True)
@@ -114,7 +164,16 @@ def send_signal(target: Planned, sig: int, *, group: bool = False) -> Delivery:
     return Delivery.SENT
 
 
-def signal_child(popen: subprocess.Popen, sig: int) -> Delivery:
+class _Started(Protocol):
+    """A child this process started: a Child, or a Popen (the collectors' own)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+
+def signal_child(popen: _Started, sig: int) -> Delivery:
     """`sig` to a child this process started, unless it was reaped (then its pid may be anyone's)."""
     if popen.poll() is not None:
         return Delivery.GONE
@@ -122,19 +181,22 @@ def signal_child(popen: subprocess.Popen, sig: int) -> Delivery:
     return send_signal(Planned.now(popen.pid), sig)
 
 
-def run_bounded(cmd: list[str], *, timeout: float, env: Mapping[str, str] | None = None, stdin: int | None = None,
-                stderr: int = subprocess.PIPE, cwd: str | None = None, user: int | None = None,
-                group: int | None = None, extra_groups: list[int] | None = None,
+def run_bounded(cmd: list[str], *, timeout: float, env: Mapping[str, str] | None = None,
+                stdin: Stream | int | None = None, stderr: Stream | int = Stream.PIPE, cwd: str | None = None,
+                user: int | None = None, group: int | None = None, extra_groups: list[int] | None = None,
                 popen: Callable[..., subprocess.Popen] = subprocess.Popen, kill_wait: float = TOOL_KILL_WAIT_S,
-                **_run_kwargs: Any) -> CompletedProcess[str]:
+                **_run_kwargs: Any) -> Finished:
     """subprocess.run(cmd, capture_output=True, text=True, timeout=...), whose wait after the kill is
     bounded too (`kill_wait`): a tool reading a target in state D (py-spy, bpftrace) can itself block
     in the kernel, and subprocess.run waits for a killed child without a bound. `user`, `group` and
-    `extra_groups` run it as the target's user (`Credentials.popen_kwargs`); `stderr=STDOUT` merges
-    the streams. Raises TimeoutExpired with the output read before the kill; a child that outlives
-    `kill_wait` is left to the kernel."""
-    proc = popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, stdin=stdin, cwd=cwd,
-                 user=user, group=group, extra_groups=extra_groups)
+    `extra_groups` run it as the target's user (`Credentials.popen_kwargs`); `stderr=Stream.STDOUT`
+    merges the streams. Raises ChildTimeout with the output read before the kill (a child that
+    outlives `kill_wait` is left to the kernel), ChildError when it could not be started as asked."""
+    try:
+        proc = popen(cmd, stdout=subprocess.PIPE, stderr=_fd(stderr), text=True, env=env, stdin=_fd(stdin),
+                     cwd=cwd, user=user, group=group, extra_groups=extra_groups)
+    except subprocess.SubprocessError as exc:
+        raise ChildError(str(exc)) from exc
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -146,15 +208,111 @@ def run_bounded(cmd: list[str], *, timeout: float, env: Mapping[str, str] | None
             if pipe is not None:
                 with contextlib.suppress(OSError):
                     pipe.close()
-        raise TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
-    return CompletedProcess(cmd, proc.returncode, out, err)
+        raise ChildTimeout(cmd, timeout, output=out, stderr=err) from None
+    return Finished(cmd, proc.returncode, out, err)
+
+
+class Child:
+    """A child started by `spawn`: its pid, its exit status once it has one, and the one way to signal it."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self._popen = popen
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """Its exit status once reaped (minus the signal that ended it), else None."""
+        return self._popen.returncode
+
+    def poll(self) -> int | None:
+        """Its exit status if it has exited (and reap it), else None."""
+        return self._popen.poll()
+
+    def wait(self, timeout: float) -> int:
+        """Its exit status, waiting at most `timeout` seconds for it; ChildTimeout past them."""
+        try:
+            return self._popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise ChildTimeout(exc.cmd, timeout) from None
+
+    def signal(self, sig: Signal) -> Delivery:
+        """`sig` to it, unless it was reaped (see signal_child)."""
+        return signal_child(self._popen, sig)
+
+
+def spawn(argv: list[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
+          executable: str | None = None, stdout: IO[Any] | Stream = Stream.NULL,
+          stderr: IO[Any] | Stream = Stream.NULL, new_session: bool = True,
+          preexec: Callable[[], None] | None = None, user: int | None = None, group: int | None = None,
+          extra_groups: list[int] | None = None) -> Child:
+    """Start `argv` and return at once: stdin /dev/null, stdout and stderr as asked (a file, NULL, or
+    stderr=Stream.STDOUT), in a session of its own unless `new_session` is False. `user`, `group` and
+    `extra_groups` as in run_bounded; `preexec` runs in the child after the switch of user. OSError when
+    it cannot be started, ChildError when it could not be started as asked."""
+    try:
+        popen = subprocess.Popen(argv, executable=executable, cwd=cwd, env=None if env is None else dict(env),
+                                 stdin=subprocess.DEVNULL, stdout=_fd(stdout), stderr=_fd(stderr),
+                                 start_new_session=new_session, preexec_fn=preexec, user=user, group=group,
+                                 extra_groups=extra_groups)
+    except subprocess.SubprocessError as exc:
+        raise ChildError(str(exc)) from exc
+    return Child(popen)
+
+
+def handle_signals(sigs: Iterable[Signal], handler: Callable[[Signal], None]) -> Callable[[], None]:
+    """Call `handler` when one of `sigs` comes (from the main thread only, as Python allows); return
+    what puts the handlers there before back. An exception `handler` raises is raised wherever the
+    main thread was when the signal came."""
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        handler(Signal(signum))
+
+    old = {sig: signal.signal(sig, on_signal) for sig in sigs}
+
+    def restore() -> None:
+        for sig, was in old.items():
+            signal.signal(sig, was)
+
+    return restore
+
+
+def handle_interrupt_unless_handled(handler: Callable[[Signal], None]) -> bool:
+    """Call `handler` on SIGINT instead of raising KeyboardInterrupt there, unless something other
+    than Python's default already handles it (an embedding program); whether it was set."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return False
+    handle_signals((Signal.INT,), handler)
+    return True
+
+
+def tree_pids(pid: int) -> tuple[int, ...]:
+    """`pid` and every live descendant of it, right now; () when it is gone or cannot be read."""
+    try:
+        root = psutil.Process(pid)
+        return (pid, *(p.pid for p in root.children(recursive=True)))
+    except psutil.Error:
+        return ()
+
+
+def children_running(argv: Iterable[str], since: float) -> list[int]:
+    """Our own children started at or after `since` (a unix time) that run `argv`."""
+    want = list(argv)
+    found = []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if child.create_time() >= since - 1 and child.cmdline() == want:
+                found.append(child.pid)
+    return found
 
 
 def stop_tree(
     pid: int,
     grace: float,
     *,
-    popen: subprocess.Popen | None = None,
+    popen: _Started | None = None,
     extra: Iterable[int] = (),
     started_at: float | None = None,
     planned: Mapping[int, int] | None = None,
@@ -200,7 +358,7 @@ class _Tree:
     """The processes of one server: its root (by pid, or our Popen) and the others, found once,
     each with the start time every signal to it is checked against."""
 
-    def __init__(self, pid: int, popen: subprocess.Popen | None, started_at: float | None,
+    def __init__(self, pid: int, popen: _Started | None, started_at: float | None,
                  planned: Mapping[int, int]) -> None:
         self.pid, self.popen, self.planned = pid, popen, planned
         self.refused: list[str] = []

@@ -7,7 +7,7 @@ kernel, runs it for a bounded time with bounded maps, and detaches on every
 exit path (stop, Ctrl-C, timeout, error): the program also exits by itself
 after its window, so even a SIGKILLed wedgectl leaves nothing attached for long.
 
-/proc is read at both edges of the window (collect/procfs.py): a thread parked
+/proc is read at both edges of the window (collect/procfs/sched.py): a thread parked
 since before the attach fires no tracepoint, and its wait began at its
 `se.exec_start`, calibrated per CPU against CLOCK_MONOTONIC. Each probe's
 parser turns its maps and those reads into its ThreadProbe fields; the result

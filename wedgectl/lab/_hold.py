@@ -13,12 +13,12 @@ are the workload's against the live server, not the refusals of one shutting dow
 from __future__ import annotations
 
 import json
-import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
+from wedgectl.collect.control import Signal, handle_signals
 from wedgectl.collect.processes import is_alive
 from wedgectl.lab.lifecycle import health_client
 from wedgectl.lab.repro import Workload, load_config, scrape_snapshot
@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
     workload = Workload(url, cfg, hold_s=hold_s)
     workload.start_now()
     stopped = threading.Event()
-    signal.signal(signal.SIGTERM, lambda _sig, _frame: stopped.set())
+    handle_signals((Signal.TERM,), lambda _sig: stopped.set())
     deadline = time.monotonic() + hold_s
     with health_client() as client:
         while time.monotonic() < deadline and is_alive(pid) and not stopped.is_set():

@@ -21,7 +21,7 @@ from pathlib import Path
 from wedgectl.model import exitcodes
 from wedgectl.collect.target import Credentials, PopenUser
 from wedgectl.model.errors import WedgectlError
-from wedgectl.collect.control import DEVNULL, CompletedProcess, TimeoutExpired, run_bounded
+from wedgectl.collect.control import ChildTimeout, Finished, Stream, run_bounded
 
 DISTRIBUTION = "wedgectl-engine"
 SOURCE_PACKAGE = "wedgectl._engine"
@@ -121,20 +121,20 @@ def interpreter(python: str | os.PathLike[str]) -> str:
 
 def run_python(python: str | os.PathLike[str], args: list[str], *, timeout: float,
                env: dict[str, str] | None = None, run_as: Credentials | None = None,
-               isolated: bool = True) -> CompletedProcess[str]:
+               isolated: bool = True) -> Finished:
     """Run the server's interpreter by its absolute path, from NEUTRAL_CWD, as `run_as` when given:
-    isolated (-I), or with `env` (os.environ when None) and SAFE_PATH_ENV. OSError or TimeoutExpired
+    isolated (-I), or with `env` (os.environ when None) and SAFE_PATH_ENV. OSError or ChildTimeout
     as run_bounded."""
     if not isolated:
         env = {**(os.environ if env is None else env), **SAFE_PATH_ENV}
     return run_bounded([interpreter(python), *([ISOLATED] if isolated else []), *args], timeout=timeout,
-                       env=env, stdin=DEVNULL, cwd=NEUTRAL_CWD, **_as(run_as))
+                       env=env, stdin=Stream.NULL, cwd=NEUTRAL_CWD, **_as(run_as))
 
 
 def installed_version(python: str | os.PathLike[str], env: dict[str, str] | None = None,
                       run_as: Credentials | None = None) -> str:
     """The plugin version `python`'s environment has, as the server with `env` would import it; "" when
-    none. OSError or TimeoutExpired when the interpreter cannot be asked. `run_as`: the server's user,
+    none. OSError or ChildTimeout when the interpreter cannot be asked. `run_as`: the server's user,
     so its code never runs as root."""
     r = run_python(python, ["-c", f"import importlib.metadata as m; print(m.version({DISTRIBUTION!r}))"],
                    timeout=PROBE_TIMEOUT_S, env=env, run_as=run_as, isolated=False)
@@ -147,7 +147,7 @@ def install_dir(python: str | os.PathLike[str], env: dict[str, str] | None = Non
     try:
         r = run_python(python, ["-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                        timeout=PROBE_TIMEOUT_S, env=env, run_as=run_as)
-    except (OSError, TimeoutExpired):
+    except (OSError, ChildTimeout):
         return ""
     return r.stdout.strip() if r.returncode == 0 else ""
 
@@ -215,7 +215,7 @@ def ensure_engine_plugin(python: Path, progress: Callable[[str], None], env: dic
         try:
             r = run_python(python, ["-m", "pip", "install", "-q", "--no-deps", "--no-cache-dir", "--force-reinstall",
                                     str(build)], timeout=PIP_TIMEOUT_S, env=env, run_as=run_as)
-        except TimeoutExpired:
+        except ChildTimeout:
             raise PluginInstallError(f"pip did not install the engine plugin within {PIP_TIMEOUT_S} s") from None
     if r.returncode != 0:
         raise PluginInstallError(f"pip could not install the engine plugin: {r.stderr.strip().splitlines()[-1:]}")

@@ -15,22 +15,19 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
-import subprocess
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 from dataclasses import dataclass
 from pathlib import Path
-
-import psutil
 
 from wedgectl.model import exitcodes
 
 from wedgectl.collect import procfs
 from wedgectl.collect.target import Credentials, PopenUser
 from wedgectl.model.errors import WedgectlError
-from wedgectl.collect.control import signal_child, stop_tree
+from wedgectl.collect.control import Child, ChildTimeout, Signal, Stream, children_running, spawn, stop_tree
+from wedgectl.collect.control import tree_pids as _tree_pids
 
 if TYPE_CHECKING:  # httpx is imported where a server is started and waited on, not by diagnose
     import httpx
@@ -78,18 +75,14 @@ class Server:
     pid: int
     url: str
     log_path: Path
-    popen: subprocess.Popen
+    popen: Child  # the handle control.spawn gave: poll, a bounded wait, and the one way to signal it
     started_at: float  # time.time() just before the launch
     tmp_dir: Path | None = None
     start_ticks: int | None = None  # procfs.start_ticks: what every signal to it checks
 
     def tree_pids(self) -> tuple[int, ...]:
         """The API server and every live descendant, right now."""
-        try:
-            root = psutil.Process(self.pid)
-            return (self.pid, *(p.pid for p in root.children(recursive=True)))
-        except psutil.Error:
-            return ()
+        return _tree_pids(self.pid)
 
 
 
@@ -122,29 +115,31 @@ def launch(command: Command, owned: bool = True) -> Server:
     wedgectl) is left to its caller.
     """
     as_user: PopenUser = command.run_as.popen_kwargs if command.run_as is not None else {}
+    preexec = None
     if not as_user:
         command.log_path.parent.mkdir(parents=True, exist_ok=True)
     else:  # root never opens (or creates) a log the user chose: the child does, as the user
-        as_user = {**as_user, "preexec_fn": _log_opener(command.log_path)}
+        preexec = _log_opener(command.log_path)
     started_at = time.time()
     try:
         # The child keeps its own copy of the descriptor; ours closes at once.
         with open(os.devnull if as_user else command.log_path, "ab") as log:
-            popen = subprocess.Popen(
+            popen = spawn(
                 list(command.argv),
                 executable=command.executable,
                 cwd=command.cwd,
-                env=dict(command.env),
-                stdin=subprocess.DEVNULL,
+                env=command.env,
                 stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                **as_user,
+                stderr=Stream.STDOUT,
+                preexec=preexec,
+                user=as_user.get("user"),
+                group=as_user.get("group"),
+                extra_groups=as_user.get("extra_groups"),
             )
     except BaseException:
-        # A Ctrl-C can land after the fork but before Popen returns: the child, in a session of
+        # A Ctrl-C can land after the fork but before the spawn returns: the child, in a session of
         # its own, would live on with nobody holding its pid.
-        for pid in _children_running(command.argv, started_at):
+        for pid in children_running(command.argv, started_at):
             stop_tree(pid, grace=0, started_at=started_at)
         if command.tmp_dir is not None:
             shutil.rmtree(command.tmp_dir, ignore_errors=True)
@@ -158,17 +153,6 @@ def launch(command: Command, owned: bool = True) -> Server:
     if owned:
         _live.add(server)
     return server
-
-
-def _children_running(argv: Iterable[str], since: float) -> list[int]:
-    """Our own children started at or after `since` (a unix time) that run `argv`."""
-    want = list(argv)
-    found = []
-    for child in psutil.Process().children():
-        with contextlib.suppress(psutil.Error):
-            if child.create_time() >= since - 1 and child.cmdline() == want:
-                found.append(child.pid)
-    return found
 
 
 def _log_opener(path: Path) -> Callable[[], None]:
@@ -252,18 +236,17 @@ def _log_size(path: Path | None) -> int:
         return 0
 
 
-def start_detached(argv: list[str]) -> subprocess.Popen:
+def start_detached(argv: list[str]) -> Child:
     """A helper process that outlives wedgectl (its own session, no stdio): repro --keep's clients."""
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    return spawn(argv)
 
 
 # ------------------------------------------------------------------ stopping
 
 
-def signal_server(server: Server, sig: signal.Signals) -> None:
+def signal_server(server: Server, sig: Signal) -> None:
     """Send `sig` to the API server alone, as an orchestrator does (repro's shutdown step)."""
-    signal_child(server.popen, sig)
+    server.popen.signal(sig)
 
 
 def wait_exit(server: Server, timeout: float) -> float | None:
@@ -271,7 +254,7 @@ def wait_exit(server: Server, timeout: float) -> float | None:
     start = time.monotonic()
     try:
         server.popen.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except ChildTimeout:
         return None
     return time.monotonic() - start
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from wedgectl.collect.processes import is_alive
+from wedgectl.collect.control import Signal
 from wedgectl.lab.lifecycle import Server, health_client, health_status, log_tail, signal_server, stop_server, wait_exit
 from wedgectl.lab.engine_install import SHUTDOWN_S, WATCHDOG_S, patched_env
 from wedgectl.lab.repro import ReproConfig, Workload, scrape_snapshot, start_repro_server, symptom_reached
@@ -316,7 +316,7 @@ def run_patched(
         progress(f"sending SIGTERM to the API server pid {server.pid}")
         t_sig = time.monotonic()
         watcher = _ResultWatcher(workload, t_sig)
-        signal_server(server, signal.SIGTERM)
+        signal_server(server, Signal.TERM)
         if wait_exit(server, obs.shutdown_s + 15) is None:  # the hang the fix exists to end
             notes.append("the API server outlived SIGTERM + bound + 15 s")
         else:
@@ -366,7 +366,7 @@ def _check_lifecycle(cfg: ReproConfig, server: Server, obs: Observation, progres
     tree = server.tree_pids()
     progress(f"sending SIGKILL to the API server pid {server.pid}")
     t_sig = time.monotonic()
-    signal_server(server, signal.SIGKILL)
+    signal_server(server, Signal.KILL)
     while time.monotonic() - t_sig < ORPHAN_BOUND_S and any(is_alive(p) for p in tree[1:]):
         time.sleep(0.1)
     obs.left_running = [p for p in tree[1:] if is_alive(p)]

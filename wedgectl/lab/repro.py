@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import signal
 import socket
 import sys
 import threading
@@ -23,7 +22,7 @@ from wedgectl.classify import classify
 from wedgectl.model.errors import WedgectlError
 from wedgectl.lab.lifecycle import (Server, detach, health_client, health_status, launch, signal_server, start_detached,
                                     stop_server)
-from wedgectl.collect.control import free_port, stop_tree
+from wedgectl.collect.control import Signal, free_port, stop_tree
 from wedgectl.read.metrics import MetricsParseError, MetricsSnapshot, parse_metrics
 from wedgectl.lab.engine_install import FIXES_ENV, ensure_engine_plugin
 from wedgectl.model.types import Role, Verdict
@@ -418,7 +417,8 @@ def run_repro(
     progress: Callable[[str], None] = lambda _m: None,
 ) -> ReproResult:
     """Start the server, drive the workload, wait for the symptom, diagnose, tear down."""
-    from wedgectl.capture.sampler import SamplerOptions, capture
+    from wedgectl.capture.options import SamplerOptions
+    from wedgectl.capture.window import capture
 
     env = {**cfg.env, **(FIXES_ENV if patched else {})}
     out_dir = out_dir or Path.cwd() / "wedgectl-repro" / cfg.name
@@ -464,7 +464,7 @@ def run_repro(
             progress(f"symptom {cfg.until!r} established after {symptom_s:.1f} s")
         target = server.pid
         if cfg.shutdown_signal:
-            sig = getattr(signal, cfg.shutdown_signal)
+            sig = Signal.named(cfg.shutdown_signal)
             tree = server.tree_pids()
             progress(f"sending {cfg.shutdown_signal} to the API server pid {server.pid}")
             signal_server(server, sig)

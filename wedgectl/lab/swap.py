@@ -59,7 +59,7 @@ from wedgectl.collect.target import (
 )
 from wedgectl.model.errors import NoSuchProcess, NotVllm, WedgectlError  # noqa: F401 - NoSuchProcess: read_proc raises it
 from wedgectl.lab.lifecycle import Command, Server, ServerStartError, launch, stop_server, wait_healthy
-from wedgectl.collect.control import SubprocessError, stop_tree, wait_port_free
+from wedgectl.collect.control import ChildError, stop_tree, wait_port_free
 from wedgectl.lab.engine_install import (
     ACTIVE_ENV,
     FIXES_ENV,
@@ -265,7 +265,7 @@ def probe_plugin(python: str, env: Mapping[str, str], run_as: Credentials | None
     probe_env = {k: v for k, v in env.items() if k not in ACTIVE_ENV}
     try:
         have = installed_version(python, env=probe_env, run_as=run_as)
-    except (OSError, SubprocessError) as exc:
+    except (OSError, ChildError) as exc:
         return f"unknown ({type(exc).__name__})", False
     return _judge(have, want)
 
@@ -357,7 +357,7 @@ def start_command(argv: Sequence[str], env: Mapping[str, str], cwd: str, url: st
     try:
         server = launch(Command(argv=tuple(argv), env=env, url=url, log_path=Path(log_path), cwd=cwd,
                                 run_as=run_as, executable=argv[0]), owned=False)
-    except (OSError, SubprocessError) as exc:
+    except (OSError, ChildError) as exc:
         return None, f"it could not be started ({exc})"
     on_start(server)
     if guard is not None:

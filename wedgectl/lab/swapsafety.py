@@ -14,20 +14,17 @@ import grp
 import os
 import pwd
 import shlex
-import signal
 import stat
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import FrameType
-from typing import Any
 
 from wedgectl.collect.target import Credentials
-from wedgectl.collect.control import DEVNULL, SubprocessError, run_bounded
+from wedgectl.collect.control import ChildError, Signal, Stream, handle_signals, run_bounded
 
 SETPRIV = "setpriv"
-HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+HANDLED_SIGNALS = (Signal.INT, Signal.TERM, Signal.HUP)
 
 
 # ------------------------------------------------------------------ who may write a path
@@ -83,9 +80,9 @@ def can_append_as(path: str, run_as: Credentials, timeout_s: float = 10.0) -> bo
     """Whether `run_as` may append to (or create) `path`: asked of a shell run as that user, so root
     never opens a file the user chose."""
     try:
-        return run_bounded(["/bin/sh", "-c", ': >>"$0"', path], stdin=DEVNULL, timeout=timeout_s, cwd="/",
+        return run_bounded(["/bin/sh", "-c", ': >>"$0"', path], stdin=Stream.NULL, timeout=timeout_s, cwd="/",
                            **run_as.popen_kwargs).returncode == 0
-    except (OSError, SubprocessError):
+    except (OSError, ChildError):
         return False
 
 
@@ -129,8 +126,8 @@ def write_restore_script(folder: Path, port: int, text: str) -> Path:
 class SwapInterrupted(Exception):
     """A signal came while the old server was down: the swap rolls back."""
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
+    def __init__(self, signum: Signal) -> None:
+        super().__init__(signum.full_name)
         self.signum = signum
 
 
@@ -145,23 +142,22 @@ class SignalGuard:
     """
 
     def __init__(self) -> None:
-        self.signum: int | None = None  # the last signal that came
+        self.signum: Signal | None = None  # the last signal that came
         self.pending = False
         self.waiting = False
-        self._old: dict[int, Any] = {}
+        self._restore: Callable[[], None] | None = None
 
     def __enter__(self) -> SignalGuard:
         if threading.current_thread() is threading.main_thread():
-            for sig in HANDLED_SIGNALS:
-                self._old[sig] = signal.signal(sig, self._handle)
+            self._restore = handle_signals(HANDLED_SIGNALS, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        self._old.clear()
+        if self._restore is not None:
+            self._restore()
+        self._restore = None
 
-    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+    def _handle(self, signum: Signal) -> None:
         self.signum = signum
         if self.waiting:
             self.waiting = False

@@ -3,7 +3,7 @@
 nan compares false with everything and inf passes any lower bound, so a check written `x <= 0`
 lets both through: a window of nan or inf never ends, an interval of nan busy-loops, a grace of
 nan keeps /livez from ever failing, and a bundle time of 1e18 breaks the date formatting of a
-report (issue 33). One function decides, for the command line (wedgectl/cli.py, probes/_tool.py)
+report (issue 33). One function decides, for the command line (wedgectl/cli/checks.py, probes/_tool.py)
 and the bundle reader (wedgectl/store/bundle.py) alike; it never raises.
 """
 

@@ -245,7 +245,8 @@ class ProbeMode(str, enum.Enum):
 
 
 class ProbeBackend(str, enum.Enum):
-    """A probe back-end, best first; AUTO lets the collector pick."""
+    """A probe back-end to force, or AUTO: the collector then takes the first that can run here, in
+    ebpfhost.BACKENDS's order (rawtp, bcc, bpftrace, then procfs: /proc alone, no eBPF)."""
 
     AUTO = "auto"
     BCC = "bcc"

@@ -11,16 +11,16 @@ since 2000-01-01 00:00:00 (2000 is a leap year, so "02-29" parses); when a
 stamp falls more than 180 days behind the previous one the log has crossed a
 new year and a year is added, so t stays monotonic across a rollover. Full
 "YYYY-MM-DD HH:MM:SS" stamps count from the same epoch and also set the year
-that later year-less stamps are read in.
+that later year-less stamps are read in (`logstamp`).
 """
 
 from __future__ import annotations
 
-import datetime as _dt
-import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from wedgectl.read.logstamp import Clock, format_stamp, parse_stamp, split_header
 
 __all__ = [
     "AccessLine",
@@ -34,8 +34,6 @@ __all__ = [
     "parse_stamp",
 ]
 
-EPOCH = _dt.datetime(2000, 1, 1)
-ROLLOVER_S = 180 * 86400.0  # a jump back this far is a new year, not clock skew
 MAX_LINE_CHARS = 65536  # matched prefix of a line; vLLM's longest lines are a few KB
 MAX_TEXT_CHARS = 2000  # kept in a record's `text`
 
@@ -168,126 +166,6 @@ def _clean(raw: object) -> str | None:
     if "\x1b" in line:
         line = _ANSI.sub("", line)
     return line.rstrip("\r\n").rstrip()
-
-
-# --- the log header ---------------------------------------------------------
-
-_STAMP_BODY = (
-    r"(?:(?P<Y>\d{4})-)?(?P<mo>\d{2})-(?P<d>\d{2})[ T]"
-    r"(?P<H>\d{2}):(?P<M>\d{2}):(?P<S>\d{2})(?P<frac>[.,]\d{1,9})?"
-)
-_STAMP = re.compile(_STAMP_BODY)
-# docker --timestamps, journald exports and the like put an ISO stamp first.
-_LEAD_ISO = re.compile(
-    r"\[?(?P<Y>\d{4})-(?P<mo>\d{2})-(?P<d>\d{2})[ T](?P<H>\d{2}):(?P<M>\d{2}):(?P<S>\d{2})"
-    r"(?P<frac>[.,]\d{1,9})?(?:Z|[+-]\d{2}:?\d{2})?\]?\s+"
-)
-# "(APIServer pid=851)", "(EngineCore_DP0 pid=9)", "(VllmWorker rank=0 pid=12)"
-_PROC = re.compile(r"\((?P<proc>[A-Za-z][\w.\-]*)\s+(?:[^()]*?\s)?pid=(?P<pid>\d{1,10})[^()]*\)\s*")
-_LEVEL = re.compile(
-    r"(?P<level>DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)(?P<colon>:?)(?:\s+|$)"
-)
-_LEVEL_STAMP = re.compile(_STAMP_BODY + r"\s*")
-_SRC = re.compile(r"\[(?P<src>[^\]\s]{1,200}:\d{1,7})\]\s*")
-
-
-@dataclass
-class _Header:
-    pid: int | None = None
-    stamp: str | None = None
-    stamp_parts: dict | None = None
-    msg: str = ""
-    vllm_like: bool = False
-
-
-def _split_header(line: str) -> _Header:
-    h = _Header()
-    s = line.lstrip()
-    lead = False
-    m = _LEAD_ISO.match(s)
-    if m:
-        h.stamp, h.stamp_parts, lead = m.group(0).strip(" []"), m.groupdict(), True
-        s = s[m.end():]
-    proc = _PROC.match(s)
-    if proc:
-        h.pid = int(proc.group("pid"))
-        s = s[proc.end():]
-    level = _LEVEL.match(s)
-    own_stamp = src = False
-    if level:
-        s = s[level.end():]
-        if not level.group("colon"):
-            m = _LEVEL_STAMP.match(s)
-            if m:
-                h.stamp, h.stamp_parts, own_stamp = m.group(0).strip(), m.groupdict(), True
-                s = s[m.end():]
-        m = _SRC.match(s)
-        if m:
-            src = True
-            s = s[m.end():]
-    h.msg = s
-    h.vllm_like = proc is not None or (
-        level is not None and (own_stamp or src or lead or bool(level.group("colon")))
-    )
-    return h
-
-
-# --- time -------------------------------------------------------------------
-
-
-def _seconds(year: int, mo: int, d: int, hh: int, mm: int, ss: int) -> float | None:
-    try:
-        when = _dt.datetime(year, mo, d, hh, mm, ss)
-    except ValueError:
-        if not (mo == 2 and d == 29 and 1 <= year <= 9999 and 0 <= hh < 24 and 0 <= mm < 60 and 0 <= ss < 62):
-            return None  # year 0 or 10000 (a rollover past 9999) has no 03-01 either
-        # A year-less 02-29 read in a non-leap year: take it as the day after 02-28.
-        when = _dt.datetime(year, 3, 1, hh, mm, min(ss, 59))
-    return (when - EPOCH).total_seconds()
-
-
-class _Clock:
-    """Turns stamps into monotonic seconds, adding a year at each rollover."""
-
-    def __init__(self) -> None:
-        self.year = 2000
-        self.last: float | None = None
-
-    def read(self, parts: dict) -> float | None:
-        mo, d = int(parts["mo"]), int(parts["d"])
-        hh, mm, ss = int(parts["H"]), int(parts["M"]), int(parts["S"])
-        frac = float("0." + parts["frac"][1:]) if parts.get("frac") else 0.0
-        if parts.get("Y"):
-            year = int(parts["Y"])
-            t = _seconds(year, mo, d, hh, mm, ss)
-            if t is None:
-                return None
-            self.year = year
-        else:
-            t = _seconds(self.year, mo, d, hh, mm, ss)
-            if t is None:
-                return None
-            if self.last is not None and t < self.last - ROLLOVER_S:
-                self.year += 1
-                t = _seconds(self.year, mo, d, hh, mm, ss)
-                if t is None:
-                    return None
-        t += frac
-        self.last = t
-        return t
-
-
-def parse_stamp(text: str) -> float | None:
-    """Seconds since 2000-01-01 for one "MM-DD HH:MM:SS" (year 2000) or ISO stamp."""
-    m = _STAMP.fullmatch(text.strip())
-    return _Clock().read(m.groupdict()) if m else None
-
-
-def format_stamp(t: float) -> str:
-    """The inverse of the stamp reading: seconds since 2000-01-01 -> "MM-DD HH:MM:SS"."""
-    if not math.isfinite(t):
-        raise ValueError(f"not a time: {t!r}")
-    return (EPOCH + _dt.timedelta(seconds=math.floor(t))).strftime("%m-%d %H:%M:%S")
 
 
 # --- numbers ----------------------------------------------------------------
@@ -542,7 +420,7 @@ def parse_log(lines: Iterable[str]) -> ParsedLog:
     shutdown: list[ShutdownLine] = []
     failures: list[FailureLine] = []
     startup: list[StartupFact] = []
-    clock = _Clock()
+    clock = Clock()
     n_lines = n_recognised = 0
     first_t: float | None = None
     last_t: float | None = None
@@ -551,7 +429,7 @@ def parse_log(lines: Iterable[str]) -> ParsedLog:
         line = _clean(raw)
         if not line:
             continue
-        head = _split_header(line)
+        head = split_header(line)
         own_t = clock.read(head.stamp_parts) if head.stamp_parts else None
         if own_t is not None:
             first_t = own_t if first_t is None else first_t

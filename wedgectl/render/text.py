@@ -22,6 +22,7 @@ from wedgectl.read.redact import printable, redact_argv, redact_obj, redact_text
 from wedgectl.model.types import BackendStatus, ProbeRecord, ProbeResult, ThreadProbe, Verdict
 
 if TYPE_CHECKING:  # named in annotations only: importing them would pull in what the command does not use
+    from wedgectl.capture.diagnosis import Diagnosis
     from wedgectl.model.types import Bundle
     from wedgectl.lab.patched import PatchedResult
     from wedgectl.lab.repro import ReproConfig, ReproResult
@@ -148,6 +149,32 @@ def render_report(verdict: Verdict, as_json: bool, expected: str | None = None, 
         yield dumps(payload)
         return
     yield from _report_text(verdict, expected, extra)
+
+
+def render_diagnosis(diagnosis: Diagnosis, as_json: bool) -> Iterator[str]:
+    """What `diagnose` prints (render_report): the verdict with where its evidence came from and went, what
+    could not be read, the probes' records and the ranks; for a re-classified bundle, the verdict it recorded."""
+    from wedgectl.classify.collective import rank_summaries
+
+    b = diagnosis.bundle
+    if diagnosis.reclassified:
+        return render_report(diagnosis.verdict, as_json, source=b.manifest.source,
+                             recorded_verdict=b.verdict.verdict.value if b.verdict else None,
+                             ranks=rank_summaries(b) or None)
+    saved = str(diagnosis.saved) if diagnosis.saved is not None else None
+    extra: dict[str, Any] = {"source": b.manifest.source, "bundle": saved, "collector_failures": failure_summary(b)}
+    if b.manifest.target.pid is not None:
+        extra["pid"] = b.manifest.target.pid
+    if b.manifest.target.url is not None:
+        extra["url"] = b.manifest.target.url
+    # in --json, the probe header and one object per traced thread (tid, futex_addr, wait_s, ...)
+    probe_records = next((s.probes for s in reversed(b.samples) if s.probes), ())
+    if probe_records:
+        extra["probes"] = list(probe_records)
+    ranks = rank_summaries(b)
+    if ranks:
+        extra["ranks"] = ranks  # one object per Worker: rank, pid, device, CPU, where its stack is
+    return render_report(diagnosis.verdict, as_json, **extra)
 
 
 @_text

@@ -4,7 +4,7 @@ The format is written down in docs/bundle.md. Raw data (metrics text, /proc
 fields, py-spy JSON, log lines) is kept as captured so a newer classifier can
 re-read an old bundle. Bundles come from other hosts and other people, so the
 reader is bounded: it streams archives through a capped decompressor, reads
-tar headers itself, and checks every field's JSON type against the model.
+tar headers itself (`tarsafe`), and checks every field's JSON type against the model.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import stat
 import time
 import types
 import typing
-import zlib
 from functools import cache
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable
@@ -30,6 +29,7 @@ from wedgectl.model import bounds
 from wedgectl.model.errors import BadBundle, UnreadableInput, UnwritableOutput
 from wedgectl.read.redact import redact_obj, redact_text
 from wedgectl.store.sources import MAX_LOG_BYTES, open_regular, stat_input
+from wedgectl.store.tarsafe import read_members
 from wedgectl.model.types import (
     BUNDLE_FORMAT,
     BUNDLE_VERSION,
@@ -55,8 +55,6 @@ MAX_MEMBER_BYTES = MAX_LOG_BYTES + (64 << 20)  # log.txt holds up to a MAX_LOG_B
 MAX_ARCHIVE_BYTES = 2 * MAX_MEMBER_BYTES  # everything inflated from one archive, skipped members included
 MAX_HEADER_BYTES = 64 << 10  # one pax / GNU long-name header; tarfile parses big ones in quadratic time
 MAX_ARCHIVE_MEMBERS = 1000  # a bundle has four files; a million empty ones is an attack on our time
-_BLOCK = 512
-_CHUNK = 1 << 16
 
 # A value a newer writer added to an enum reads as the enum's catch-all (docs/bundle.md).
 UNKNOWN_ENUM_VALUE: dict[type, enum.Enum] = {
@@ -448,137 +446,13 @@ def write_bundle_in(bundle: Bundle, directory: str | Path, names: Iterable[str])
         os.close(dir_fd)
 
 
-# --- reading archives: streamed, inflated under a cap, tar headers read here -------------------------
-
-class _Inflated:
-    """An archive's bytes, gunzipped on the fly when it is gzip, never more than limit bytes in all."""
-
-    def __init__(self, fh: BinaryIO, origin: str, limit: int | None = None) -> None:
-        self.fh, self.origin = fh, origin
-        self.limit = MAX_ARCHIVE_BYTES if limit is None else limit
-        self.total = 0
-        self._buf = bytearray()
-        self._pending = fh.read(_CHUNK)
-        self._gzip = self._pending[:2] == b"\x1f\x8b"
-        self._z = zlib.decompressobj(wbits=31) if self._gzip else None
-        self._done = not self._pending
-
-    def _more(self, want: int) -> None:
-        """Inflate until the buffer holds want bytes or the input ends; max_length keeps each step small."""
-        while len(self._buf) < want and not self._done:
-            if not self._pending:
-                self._pending = self.fh.read(_CHUNK)
-                if not self._pending:
-                    self._done = True
-                    if self._z is not None and not self._z.eof:
-                        out = self._z.flush()  # what zlib still holds; the stream itself ended early
-                        if not self._z.eof:
-                            raise BadBundle(f"{self.origin}: the archive is truncated")
-                        self._count(out)
-                    break
-            if self._z is None:
-                out, self._pending = self._pending, b""
-            else:
-                if self._z.eof:  # a second gzip member follows (`cat a.gz b.gz`)
-                    self._z = zlib.decompressobj(wbits=31)
-                try:
-                    out = self._z.decompress(self._pending, _CHUNK)
-                except zlib.error as exc:
-                    raise BadBundle(f"{self.origin}: not a readable bundle archive ({exc})") from None
-                self._pending = self._z.unconsumed_tail or self._z.unused_data
-            self._count(out)
-
-    def _count(self, out: bytes) -> None:
-        self.total += len(out)
-        if self.total > self.limit:
-            raise BadBundle(f"{self.origin}: the archive expands past {self.limit} bytes; refused")
-        self._buf += out
-
-    def read(self, n: int) -> bytes:
-        self._more(n)
-        with memoryview(self._buf) as view:
-            out = bytes(view[:n])  # one copy: a member may be MAX_MEMBER_BYTES
-        del self._buf[:n]
-        return out
-
-    def skip(self, n: int) -> None:
-        while n > 0:
-            got = len(self.read(min(n, _CHUNK)))
-            if not got:
-                raise BadBundle(f"{self.origin}: the archive is truncated")
-            n -= got
-
-
-def _padded(size: int) -> int:
-    return -(-size // _BLOCK) * _BLOCK
-
-
-def _pax_records(data: bytes, origin: str) -> dict[str, str]:
-    """A pax extended header's 'LEN key=value\\n' records, in one linear pass."""
-    out: dict[str, str] = {}
-    pos = 0
-    while pos < len(data) and data[pos:pos + 1] != b"\0":
-        space = data.find(b" ", pos, pos + 24)
-        length = int(data[pos:space]) if space > pos and data[pos:space].isdigit() else 0
-        end = pos + length
-        if length <= 0 or space < 0 or end > len(data) or data[end - 1:end] != b"\n":
-            raise BadBundle(f"{origin}: a malformed pax header in the archive")
-        key, _, value = data[space + 1:end - 1].partition(b"=")
-        out[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
-        pos = end
-    return out
-
+# --- reading archives: streamed, inflated under a cap, tar headers read here (store.tarsafe) ----------
 
 def read_archive(fh: BinaryIO, origin: str) -> dict[str, bytes]:
-    """The bundle's files from a tar (gzipped or not) stream, within MAX_* bounds.
-
-    tarfile is not used to walk the archive: in Python 3.11 it reads a pax header whole, whatever
-    size it claims, and parses it with a regex that takes quadratic time. Headers are parsed one
-    512-byte block at a time by tarfile.TarInfo.frombuf; the extended ones (pax, GNU long names)
-    are capped at MAX_HEADER_BYTES and parsed here.
-    """
-    import tarfile  # here, not at the top: only a run that writes or reads a bundle pays for it
-
-    stream = _Inflated(fh, origin)
-    files: dict[str, bytes] = {}
-    override: dict[str, str] = {}
-    for _ in range(4 * MAX_ARCHIVE_MEMBERS):  # each member takes at most a pax and a GNU header
-        block = stream.read(_BLOCK)
-        if not block.strip(b"\0"):  # the end-of-archive blocks, or the end of the stream
-            return files
-        if len(block) < _BLOCK:
-            raise BadBundle(f"{origin}: the archive is truncated")
-        try:
-            info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
-        except tarfile.HeaderError as exc:
-            raise BadBundle(f"{origin}: not a readable bundle archive ({exc})") from None
-        size = info.size
-        if info.type in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
-                         tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK):
-            if size > MAX_HEADER_BYTES:
-                raise BadBundle(f"{origin}: a tar header of {size} bytes (at most {MAX_HEADER_BYTES}); refused")
-            data = stream.read(_padded(size))[:size]
-            if info.type == tarfile.XHDTYPE:
-                override.update(_pax_records(data, origin))
-            elif info.type == tarfile.GNUTYPE_LONGNAME:
-                override["path"] = data.rstrip(b"\0").decode("utf-8", "replace")
-            continue
-        name = override.get("path", info.name)
-        if "size" in override:
-            size = int(override["size"]) if override["size"].isdigit() else -1
-        override = {}
-        if size < 0 or size > MAX_MEMBER_BYTES:
-            raise BadBundle(f"{origin}: {name[:200]} is {size} bytes (at most {MAX_MEMBER_BYTES}); refused")
-        wanted = name.rsplit("/", 1)[-1] in MEMBERS and info.type in tarfile.REGULAR_TYPES
-        if wanted:
-            data = stream.read(size)
-            if len(data) < size:
-                raise BadBundle(f"{origin}: the archive is truncated")
-            files[name.rsplit("/", 1)[-1]] = data
-            stream.skip(_padded(size) - size)
-        else:
-            stream.skip(_padded(size))
-    raise BadBundle(f"{origin}: more than {MAX_ARCHIVE_MEMBERS} members; not a bundle")
+    """The bundle's files from a tar (gzipped or not) stream, within MAX_* bounds (tarsafe.read_members:
+    tarfile does not walk the archive, and headers are capped)."""
+    return read_members(fh, origin, MEMBERS, max_member_bytes=MAX_MEMBER_BYTES, max_archive_bytes=MAX_ARCHIVE_BYTES,
+                        max_header_bytes=MAX_HEADER_BYTES, max_members=MAX_ARCHIVE_MEMBERS)
 
 
 def _read_member(path: Path) -> bytes | None:

@@ -12,6 +12,7 @@ import gc
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from textual import work
 from textual.app import App, ComposeResult
@@ -19,20 +20,18 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.reactive import var
-from textual.screen import ModalScreen, Screen
 from textual.timer import Timer
-from textual.widgets import DataTable, Footer, Label, Static
+from textual.widgets import Footer
 
 from wedgectl.model.errors import WedgectlError
 from wedgectl.tui import model
+from wedgectl.tui.screens import ConfirmSwap, HelpScreen, PickerScreen
 from wedgectl.tui.source import (
     STACKS_QUIET_S,
     BundleSource,
     Collector,
     CpuMeter,
     LiveSource,
-    ServerInfo,
-    find_servers,
     save_bundle,
     swap_available,
     swap_target,
@@ -49,30 +48,12 @@ from wedgectl.tui.widgets import (
 )
 from wedgectl.model.types import Role
 
+if TYPE_CHECKING:
+    from wedgectl.lab.swap import SwapPlan
+
 DEFAULT_REFRESH_S = 2.0
 SWAP_UNAVAILABLE = "swap not available in this build"
 GC_THRESHOLD = (10_000, 10, 10)  # the garbage collector's thresholds while top runs (see on_frame_ready)
-HELP = """\
-wedgectl top: a vLLM deployment and its live verdict, refreshed every few seconds.
-
-  s        save an evidence bundle (the window so far) in the save folder
-  d        take a Python stack dump now (py-spy --nonblocking: never pauses the target)
-  D        take a native stack dump (py-spy --native pauses each process ~50 ms)
-  w        swap the deployment to the patched engine (shows the plan, asks first)
-  p        pin the selected process's stack beside the next one you select:
-           two ranks side by side (p on the pinned one unpins)
-  [  ]     replaying a bundle: one sample back / forward
-  up/down  move in the focused table; tab switches between processes and threads
-  ?  h     this help (escape closes it)
-  q        quit
-
-Threads of one process that wait on the same futex address (one lock or
-condition) share a colour and show xN under SHARE. Stacks are dumped every
-Nth refresh (--stacks-every), every 60 s while the verdict is healthy
-(--stacks-quiet), and
-on d / D; the stack view says how old its dump is. A target that stops answering is shown as UNREACHABLE; top keeps
-trying and never blocks the screen.
-"""
 
 
 class FrameReady(Message):
@@ -94,12 +75,6 @@ class Connected(Message):
         self.error = error
 
 
-class ServersFound(Message):
-    def __init__(self, servers: list[ServerInfo]) -> None:
-        super().__init__()
-        self.servers = servers
-
-
 class Notice(Message):
     def __init__(self, text: str, severity: str = "information", new_pid: int | None = None) -> None:
         super().__init__()
@@ -108,100 +83,10 @@ class Notice(Message):
         self.new_pid = new_pid
 
 
-class HelpScreen(ModalScreen[None]):
-    BINDINGS = [Binding("escape,q,question_mark,h", "dismiss", "close")]
-
-    def __init__(self, cpu_line: str = "") -> None:
-        super().__init__()
-        self.cpu_line = cpu_line
-
-    def compose(self) -> ComposeResult:
-        yield Static(HELP + (f"\n{self.cpu_line}\n" if self.cpu_line else ""), id="help")
-
-
 class SwapPlanned(Message):
-    def __init__(self, pid: int, plan: object | None, lines: list[str], refused: str = "") -> None:
+    def __init__(self, pid: int, plan: SwapPlan, lines: list[str], refused: str = "") -> None:
         super().__init__()
         self.pid, self.plan, self.lines, self.refused = pid, plan, lines, refused
-
-
-class ConfirmSwap(ModalScreen[bool]):
-    """The swap plan, and a key to act on it: nothing happens before `y`."""
-
-    BINDINGS = [Binding("y", "answer(True)", "yes"), Binding("n,escape", "answer(False)", "no")]
-
-    def __init__(self, pid: int, lines: list[str] | None = None, refused: str = "") -> None:
-        super().__init__()
-        self.pid, self.lines, self.refused = pid, lines or [], refused
-
-    def compose(self) -> ComposeResult:
-        plan = "\n".join(self.lines)
-        if self.refused:
-            yield Static(f"{plan}\n\nswap refused: {self.refused}\n\nn / escape: close", id="confirm")
-            return
-        yield Static(f"Swap pid {self.pid} to the patched engine?\n{plan}\n"
-                     "The server restarts with the wedge_engine fixes on; requests in flight may fail.\n\n"
-                     "y: swap    n: cancel", id="confirm")
-
-    def action_answer(self, yes: bool) -> None:
-        self.dismiss(yes and not self.refused)
-
-
-URL_WIDTH = 30  # http://[IPv6 address]:port fits; 127.0.0.1 and a hostname with room to spare
-MODEL_WIDTH = 40  # the model's path or name, its end kept
-COMMAND_WIDTH = 60
-
-
-class PickerScreen(Screen[int]):
-    """No target given: the vLLM servers on this machine; Enter watches one."""
-
-    BINDINGS = [Binding("r", "rescan", "rescan"), Binding("q", "app.quit", "quit")]
-
-    def compose(self) -> ComposeResult:
-        yield Label("vLLM servers on this machine (Enter watches one, r rescans)", id="picker-title")
-        yield DataTable(id="servers", cursor_type="row")
-        yield Label("", id="picker-status")
-        yield Footer()
-
-    def on_mount(self) -> None:
-        table = self.query_one("#servers", DataTable)
-        # Every column gets a fixed width, the widest its value is cut to (pid_max is 7 digits):
-        # an auto column sized before the first rows arrive was seen to stay at its header's
-        # width on a loaded host ("htt" for the URL).
-        table.add_column("PID", width=7)
-        table.add_column("URL", width=URL_WIDTH)
-        table.add_column("MODEL", width=MODEL_WIDTH)
-        table.add_column("UP", width=4)
-        table.add_column("COMMAND", width=COMMAND_WIDTH)
-        self.action_rescan()
-
-    def action_rescan(self) -> None:
-        self.query_one("#picker-status", Label).update("scanning processes...")
-        self.scan()
-
-    @work(thread=True, exclusive=True, group="scan")
-    def scan(self) -> None:
-        self.post_message(ServersFound(find_servers()))
-
-    def on_servers_found(self, msg: ServersFound) -> None:
-        table = self.query_one("#servers", DataTable)
-        table.clear()
-        now = time.time()
-        for s in msg.servers:
-            table.add_row(s.pid, s.url or "-", s.model[-MODEL_WIDTH:], model_duration(now - s.started),
-                          s.cmdline[:COMMAND_WIDTH], key=str(s.pid))
-        self.query_one("#picker-status", Label).update(
-            f"{len(msg.servers)} server(s) found" if msg.servers
-            else "no vLLM API server found on this machine (r rescans)")
-        table.focus()
-
-    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
-        if event.row_key.value is not None:
-            self.dismiss(int(event.row_key.value))
-
-
-def model_duration(s: float) -> str:
-    return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.0f}h"
 
 
 class TopApp(App):
@@ -529,7 +414,7 @@ class TopApp(App):
         self.push_screen(ConfirmSwap(msg.pid, msg.lines, msg.refused), answered)
 
     @work(thread=True, exclusive=True, group="swap")
-    def swap(self, pid: int, plan: object | None = None) -> None:
+    def swap(self, pid: int, plan: SwapPlan | None = None) -> None:
         try:
             text, new_pid, ok = swap_target(pid, lambda m: self.post_message(Notice(m)), plan=plan)
         except Exception as exc:  # noqa: BLE001 - another module's failure is shown, not fatal
@@ -590,18 +475,13 @@ class CollectLoop(threading.Thread):
                 due = time.monotonic()
 
 
-def swap_plan(pid: int) -> tuple[object | None, list[str], str]:
+def swap_plan(pid: int) -> tuple[SwapPlan, list[str], str]:
     """(the plan, its lines, why swap refuses it or ""): what top's `w` shows before it asks."""
-    import importlib
-
-    mod = importlib.import_module("wedgectl.lab.swap")
-    plan_fn = getattr(mod, "plan_swap", None)
-    if plan_fn is None:
-        return None, [], ""
+    from wedgectl.lab.swap import plan_swap  # only when asked: top starts without the lab
     from wedgectl.render.text import render_swap_plan
 
-    plan = plan_fn(pid)
-    supervisor = getattr(plan, "supervisor", None)
+    plan = plan_swap(pid)
+    supervisor = plan.supervisor
     refused = f"{supervisor.line} (from a shell: wedgectl swap --pid {pid} --force)" if supervisor else ""
     return plan, list(render_swap_plan(plan)), refused
 

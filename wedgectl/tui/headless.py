@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                          "asked)")
     args = ap.parse_args(argv)
     if not args.same_priority:  # as `wedgectl top` does by default: what a benchmark charges top is what users run
-        from wedgectl.capture.sampler import lower_priority
+        from wedgectl.collect.priority import lower_priority
 
         lower_priority()
     if args.app:

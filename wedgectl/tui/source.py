@@ -1,43 +1,42 @@
-"""Where `wedgectl top` gets its evidence: a live deployment (the sampler's take_sample) or a saved bundle.
+"""Where `wedgectl top` gets its evidence: a live deployment (a capture.session.LiveSession) or a saved bundle.
 
-`Collector` keeps the rolling window of samples and turns each refresh into a
-`Frame`; it blocks (HTTP, /proc, py-spy), so the app calls it from a worker
-thread and the headless driver from its own loop. Live and replayed evidence
+`Collector` takes a full look at each refresh into the session's rolling window
+and turns it into a `Frame`; it blocks (HTTP, /proc, py-spy), so the app calls it
+from a worker thread and the headless driver from its own loop. Live and replayed evidence
 go through the same `build_frame` and `classify` as `wedgectl diagnose`.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import inspect
 import itertools
 import resource
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from wedgectl.store.bundle import read_bundle, write_bundle_in
-from wedgectl.classify import classify
 from wedgectl.capture.discover import (
     BUNDLE_LOG_BYTES,
     VERDICT_LOG_BYTES,
     Deployment,
     ServerInfo,
-    deployment_manifest,
     discover,
     find_servers,
 )
-from wedgectl.model.errors import WedgectlError
-from wedgectl.read.metrics import JUDGED_SERIES
-from wedgectl.collect.scrape import Scraper
-from wedgectl.capture.sampler import SamplerOptions, TreeCache, take_sample
-from wedgectl.store.sources import read_log_lines
-from wedgectl.tui.model import Frame, ScrapedSample, build_frame, describe_target
+from wedgectl.capture.options import SamplerOptions
+from wedgectl.capture.session import LiveSession
+from wedgectl.capture.tree import TreeCache
+from wedgectl.classify import classify
 from wedgectl.model.types import Bundle, Manifest, Sample
+from wedgectl.read.metrics import JUDGED_SERIES
+from wedgectl.store.bundle import read_bundle, write_bundle_in
+from wedgectl.tui.model import Frame, ScrapedSample, build_frame, describe_target
+
+if TYPE_CHECKING:
+    from wedgectl.lab.swap import SwapPlan
 
 __all__ = ["BundleSource", "Collector", "CpuMeter", "LiveSource", "ServerInfo", "find_servers", "save_bundle",
            "swap_available", "swap_target"]  # ServerInfo, find_servers: discover's, where top's picker finds them
@@ -51,22 +50,18 @@ LOG_EVERY = 5  # re-read the log tail every 5th refresh (VERDICT_LOG_BYTES of it
 
 
 class LiveSource:
-    """A running deployment, found by pid or URL exactly as `diagnose` finds it."""
+    """A running deployment, found by pid or URL exactly as `diagnose` finds it, held in a live session."""
 
     live = True
 
     def __init__(self, deployment: Deployment, pid: int | None, url: str | None,
-                 options: SamplerOptions = SamplerOptions()) -> None:
-        self.deployment = deployment
-        self.pid = pid
-        self.url = url
+                 options: SamplerOptions = SamplerOptions(), window: int = WINDOW) -> None:
         self.options = options
-        # One for the session (it holds no connection between scrapes), asking for the series the
-        # verdict and the view read: a twentieth of vLLM's page, for the server to write and for
-        # top to parse every refresh. A saved bundle holds those series.
-        self.scraper = Scraper(options.scrape_timeout_s, series=JUDGED_SERIES)
-        self.tree = TreeCache()  # the process tree walked every few seconds, not every refresh
-        self._manifest = deployment_manifest(deployment, pid, notes=(TOP_NOTE,))
+        # The session's full look asks for the series the verdict and the view read: a twentieth of
+        # vLLM's page, for the server to write and for top to parse every refresh. A saved bundle
+        # holds those series. The process tree is walked every few seconds, not every refresh.
+        self.session = LiveSession(deployment, pid, url, notes=(TOP_NOTE,), series=JUDGED_SERIES, tree=TreeCache(),
+                                   scrape_timeout_s=options.scrape_timeout_s, keep=window)
 
     @classmethod
     def connect(cls, pid: int | None = None, url: str | None = None) -> LiveSource:
@@ -74,37 +69,38 @@ class LiveSource:
         return cls(discover(pid=pid, url=url), pid, url)
 
     @property
+    def deployment(self) -> Deployment:
+        return self.session.deployment
+
+    @property
+    def pid(self) -> int | None:
+        return self.session.pid
+
+    @property
+    def url(self) -> str | None:
+        return self.session.url
+
+    @property
     def label(self) -> str:
-        return describe_target(self._manifest)
+        return describe_target(self.session.manifest())
+
+    @property
+    def model(self) -> str:
+        """The model it serves, named as top's picker and watch name it (discover.served_model)."""
+        return self.session.model or "?"
 
     def manifest(self) -> Manifest:
-        return self._manifest
+        return self.session.manifest()
 
     def take(self, with_stacks: bool, native: bool = False) -> Sample:
-        if self.deployment.metrics_url is None and self.pid is not None:
-            self._rediscover()  # the API server was not listening yet
-        return take_sample(self.deployment, with_stacks, replace(self.options, native=native), scraper=self.scraper,
-                           tree=self.tree)
+        """A full look (one looks again first for an API server not listening yet)."""
+        return self.session.full_look(with_stacks, replace(self.options, native=native))
 
     def close(self) -> None:
-        self.scraper.close()
-
-    def _rediscover(self) -> None:
-        try:
-            dep = discover(pid=self.pid, url=self.url)
-        except WedgectlError:
-            return
-        self.deployment = dep
-        self._manifest = replace(self._manifest, target=deployment_manifest(dep, self.pid).target)
+        self.session.close()
 
     def log_tail(self, max_bytes: int) -> tuple[str, ...]:
-        log = self.deployment.log  # read through the process's descriptor, never by the path it shows
-        if log is None:
-            return ()
-        try:
-            return read_log_lines(log, max_bytes=max_bytes)[0]
-        except WedgectlError:
-            return ()
+        return self.session.read_log(max_bytes)[0]
 
 
 class BundleSource:
@@ -136,7 +132,9 @@ class BundleSource:
 
 
 class Collector:
-    """The rolling window over a LiveSource. tick() blocks; call it off the UI thread."""
+    """Refreshes of a LiveSource: a full look each, kept in its session's rolling window (the last
+    `window` samples), and each sample's parsed copy beside it for the frames. tick() blocks; call
+    it off the UI thread."""
 
     def __init__(self, source: LiveSource, window: int = WINDOW, stacks_every: int = STACKS_EVERY,
                  classify_last: int = CLASSIFY_LAST, log_every: int = LOG_EVERY,
@@ -151,7 +149,8 @@ class Collector:
         self.classify_last = classify_last
         self.log_every = max(1, log_every)
         self.ticks = 0
-        self._window: deque[ScrapedSample] = deque(maxlen=window)
+        source.session.keep = window
+        self._window: deque[ScrapedSample] = deque(maxlen=window)  # the session's samples, parsed once each
         self._log: tuple[str, ...] = ()
         self._lock = threading.Lock()  # guards the window
         self._running = threading.Lock()  # held for one tick: ticks never overlap
@@ -186,6 +185,7 @@ class Collector:
                 self._log = self.source.log_tail(VERDICT_LOG_BYTES)
             self.ticks += 1
             with self._lock:
+                self.source.session.record(sample)
                 self._window.append(ScrapedSample.of(sample))
                 window = tuple(self._window)
             frame = build_frame(self.source.manifest(), window, self._log, self.classify_last, self.source.label)
@@ -198,7 +198,7 @@ class Collector:
     def bundle(self) -> Bundle:
         """The window as an evidence bundle (full log tail), with the verdict over all of it."""
         with self._lock:
-            samples = tuple(s.sample for s in self._window)
+            samples = tuple(self.source.session.samples)
         log = self.source.log_tail(BUNDLE_LOG_BYTES)
         b = Bundle(self.source.manifest(), samples, log)
         return replace(b, verdict=classify(b))
@@ -237,32 +237,21 @@ def save_bundle(bundle: Bundle, directory: Path) -> Path:
 
 
 def swap_available() -> bool:
-    """Whether this build has `wedgectl swap` (wedgectl.lab.swap.swap_deployment)."""
-    try:
-        return importlib.util.find_spec("wedgectl.lab.swap") is not None
-    except (ImportError, ValueError):
-        return False
+    """Whether this build has `wedgectl swap` (wedgectl.lab.swap.swap_deployment): it always has."""
+    return True
 
 
-def swap_target(pid: int, say: Callable[[str], object], plan: object | None = None) -> tuple[str, int | None, bool]:
-    """Run wedgectl.lab.swap.swap_deployment(pid) (on the `plan` shown, if any): (what happened, the new API server pid,
-    ok)."""
-    mod = importlib.import_module("wedgectl.lab.swap")
-    fn = getattr(mod, "swap_deployment", None)
-    if fn is None:
-        return "swap not available in this build", None, False
-    params: Mapping[str, inspect.Parameter]
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        params = {}
-    extra = {"plan": plan} if plan is not None and "plan" in params else {}
-    result = fn(pid, progress=say, **extra) if "progress" in params else fn(pid, **extra)
-    new_pid = getattr(result, "new_pid", None) or getattr(result, "pid", None)
-    new_pid = new_pid if isinstance(new_pid, int) and not isinstance(new_pid, bool) else None
-    ok = bool(getattr(result, "ok", True))
-    message = getattr(result, "message", "") or ""
-    if not ok:
+def swap_target(pid: int, say: Callable[[str], object], plan: SwapPlan | None = None) -> tuple[str, int | None, bool]:
+    """Run wedgectl.lab.swap.swap_deployment(pid) (on the `plan` shown, if any): (what happened, the new API server
+    pid, ok)."""
+    from wedgectl.lab.swap import swap_deployment  # only when asked: top starts without the lab
+
+    def progress(message: str) -> None:
+        say(message)
+
+    result = swap_deployment(pid, progress=progress, plan=plan)
+    new_pid, message = result.new_pid, result.message or ""
+    if not result.ok:
         return f"swap failed: {message or 'see wedgectl swap --pid ' + str(pid)}", None, False
     return f"swapped to the patched engine{f': new pid {new_pid}' if new_pid else ''}" + (f" ({message})" if message
                                                                                           else ""), new_pid, True

@@ -16,7 +16,9 @@ from wedgectl.classify import classify
 from wedgectl.collect.procfs import owner_uids
 from wedgectl.capture.discover import BUNDLE_LOG_BYTES
 from wedgectl.model.errors import WedgectlError
-from wedgectl.capture.sampler import SamplerOptions, capture
+from wedgectl.capture.options import SamplerOptions
+from wedgectl.capture.runner import Workers
+from wedgectl.capture.window import capture
 from wedgectl.read.redact import printable, redact_text
 from wedgectl.model.types import Bundle
 from wedgectl.watch.exposition import DEFAULT_LISTEN, Endpoint, Snapshot, WebConfig
@@ -32,7 +34,6 @@ RECORD_WAIT_S = 60.0  # an episode's end line waits this long at most for its on
 # collector an evaluation calls is bounded well within it; this bounds what no collector foresaw.
 EVALUATION_BOUND_S = 30.0
 RECORD_BOUND_S = 300.0  # the same for an onset recording (its capture, the probes, the save)
-MAX_ABANDONED = 16  # abandoned threads running at once, at most: past it, a stuck job keeps its slot
 EXIT_WAIT_S = 2.0  # at exit, the ticks under way get this long to finish (SIGTERM to exit within 5 s)
 TARGET_BUDGET_BYTES = 8 << 20  # each target's kept samples (--target-budget-mb)
 TOTAL_BUDGET_BYTES = 256 << 20  # all targets' kept samples together (--total-budget-mb)
@@ -56,66 +57,6 @@ class WatchOptions:
     total_budget_bytes: int = TOTAL_BUDGET_BYTES
     max_targets: int = MAX_TARGETS
     users: frozenset[int] | None = None  # host mode adopts processes of these uids; None: root and our own
-
-
-class Workers:
-    """Jobs on daemon threads, at most `size` holding a slot at once (the watcher's CPU stays
-    bounded, and a slow target does not hold the others back). A job still running after `bound_s`
-    is abandoned: its slot is freed for another job while its thread runs on, up to `max_abandoned`
-    such threads at once (past the cap, a stuck job keeps its slot). Daemon threads, not an
-    executor: the interpreter joins an executor's workers at exit, so one stuck job would hold
-    watch's exit for ever; a daemon thread holds nothing."""
-
-    def __init__(self, size: int, bound_s: float, max_abandoned: int = MAX_ABANDONED,
-                 name: str = "wedgectl-watch") -> None:
-        self.size, self.bound_s, self.max_abandoned, self.name = size, bound_s, max_abandoned, name
-        self._lock = threading.Lock()
-        self._slots: dict[Future, float] = {}  # the jobs holding a slot -> when each started (monotonic)
-        self._abandoned: set[Future] = set()
-        self.abandoned_total = 0
-
-    def submit(self, fn: Callable[..., object], *args: object) -> Future | None:
-        """Start fn(*args) in a slot; None when every slot is taken."""
-        with self._lock:
-            self._reap(time.monotonic())
-            if len(self._slots) >= self.size:
-                return None
-            fut: Future = Future()
-            self._slots[fut] = time.monotonic()
-
-        def run() -> None:
-            result, error = None, None
-            try:
-                result = fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-                error = exc
-            with self._lock:  # the slot is free before the job shows done: the next tick finds it
-                self._slots.pop(fut, None)
-                self._abandoned.discard(fut)
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(result)
-
-        try:
-            threading.Thread(target=run, daemon=True, name=self.name).start()
-        except RuntimeError:  # no thread to be had (the process's limit): nothing started
-            with self._lock:
-                self._slots.pop(fut, None)
-            return None
-        return fut
-
-    def _reap(self, now: float) -> None:
-        for fut, started in list(self._slots.items()):
-            if now - started > self.bound_s and len(self._abandoned) < self.max_abandoned:
-                del self._slots[fut]
-                self._abandoned.add(fut)
-                self.abandoned_total += 1
-
-    @property
-    def abandoned(self) -> int:
-        with self._lock:
-            return len(self._abandoned)
 
 
 def episode_lines(event: str, ep: Episode, as_json: bool, now: float) -> Iterator[str]:

@@ -5,35 +5,21 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import time
 from collections import deque
 from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
-from wedgectl.collect import processes, procfs, procread
-from wedgectl.collect.scrape import Scraper, failure_kind
-from wedgectl.capture.discover import (
-    VERDICT_LOG_BYTES,
-    Deployment,
-    deployment_manifest,
-    discover,
-    find_servers,
-    served_model,
-    tree_roles,
-)
-from wedgectl.model.errors import WedgectlError
+from wedgectl.capture.discover import VERDICT_LOG_BYTES, Deployment, discover, find_servers
+from wedgectl.capture.options import SamplerOptions
+from wedgectl.capture.session import LiveSession
 from wedgectl.classify.judged import judged_sample
-from wedgectl.read.metrics import JUDGED_SERIES, MetricsParseError, parse_metrics
-from wedgectl.read.redact import redact_text
-from wedgectl.capture.sampler import SamplerOptions, take_sample
-from wedgectl.store.sources import read_log_lines
-from wedgectl.model.types import Bundle, CollectorFailure, FailureKind, Manifest, MetricsScrape, ProcessSample, Sample
+from wedgectl.collect import processes
+from wedgectl.model.types import Bundle, FailureKind, Manifest, MetricsScrape, Sample
 
 KEEP_S = 120.0  # evidence kept per target: the "before" of an onset bundle
 CLASSIFY_S = 30.0  # the verdict rests on the last 30 s: longer than any rule's frozen threshold
 MIN_CLASSIFY = 3  # samples, whatever the cadence: counter deltas need a few
 LOG_EVERY_S = 30.0  # re-read the log tail (VERDICT_LOG_BYTES) this often while healthy; every tick when escalated
-ROLES_EVERY_S = 60.0  # cheap ticks walk the process tree again this often
 _LOOPBACK = {"127.0.0.1", "::1", "localhost", "0.0.0.0", "::", ""}
 DEFAULT_BUDGET = 8 << 20  # a target's kept samples, in bytes, until the watcher shares out its own
 SAMPLE_OVERHEAD = 1024  # a kept sample's own objects, beside its page text (an estimate)
@@ -51,21 +37,6 @@ class Spec:
 def node_name() -> str:
     """The pod's name in Kubernetes (POD_NAME from the downward API, else HOSTNAME), else the host's."""
     return os.environ.get("POD_NAME") or os.environ.get("HOSTNAME") or socket.gethostname()
-
-
-def model_from_metrics(sample: Sample) -> str | None:
-    """The model_name label vLLM puts on its series, redacted as served_model redacts an argv's."""
-    if sample.metrics is None or not sample.metrics.ok:
-        return None
-    try:
-        snap = parse_metrics(sample.metrics.text or "")
-    except MetricsParseError:
-        return None
-    for rows in snap.samples.values():
-        for labels, _ in rows:
-            if labels.get("model_name"):
-                return redact_text(labels["model_name"])
-    return None
 
 
 def target_name(node: str, base_url: str | None, model: str | None, pid: int | None = None) -> str:
@@ -112,39 +83,38 @@ def sample_bytes(sample: Sample) -> int:
 
 
 class Watched:
-    """One deployment under watch: its rolling window of samples and the log tail. Its sample()
-    blocks (HTTP, /proc, py-spy, each bounded); the daemon calls it from a worker thread."""
+    """One deployment under watch: a live session (capture.session), its window kept for KEEP_S and
+    within a byte budget, and its stable name. Its sample() blocks (HTTP, /proc, py-spy, each
+    bounded); the daemon calls it from a worker thread."""
 
     def __init__(self, spec: Spec, deployment: Deployment, node: str) -> None:
         self.spec = spec
-        self.deployment = deployment
         self.node = node
-        self.samples: deque[Sample] = deque()
-        self.model: str | None = None
-        self.name = target_name(node, deployment.base_url, None, deployment.root_pid)
-        self._log: tuple[str, ...] = ()
-        self._log_read = 0.0
-        self._roles_read = time.monotonic()  # discover() just walked the tree
-        self._scraper = Scraper()  # a full look's: the whole page, as a bundle keeps it
-        # A cheap tick's, all day: the series the verdicts read (metrics.JUDGED_SERIES), a
-        # twentieth of vLLM's page for the server to write and for the watcher to parse.
-        self._cheap = Scraper(series=JUDGED_SERIES)
+        # The full look's scraper reads the whole page, as a bundle keeps it; the cheap look's, the
+        # judged series. The manifest names the root pid: a re-found deployment is named anew.
+        self.session = LiveSession(deployment, spec.pid, spec.url, keep_s=KEEP_S)
+        self.name = target_name(node, deployment.base_url, self.session.model, deployment.root_pid)
         self.budget_bytes = 0
         self.kept_bytes = 0  # sample_bytes of the kept samples
         self.budget_exceeded = 0  # times the kept samples went over the budget and were trimmed
         self.set_budget(DEFAULT_BUDGET)
-        if deployment.api_pid is not None:
-            try:
-                self.model = served_model(procread.read_cmdline(deployment.api_pid))
-            except OSError:  # read_cmdline: unreadable or blocked past its bound
-                pass
-        if self.model:
-            self.name = target_name(node, deployment.base_url, self.model, deployment.root_pid)
 
     @classmethod
     def connect(cls, spec: Spec, node: str) -> Watched:
         """discover(); raises NoSuchProcess / NotVllm like diagnose does."""
         return cls(spec, discover(pid=spec.pid, url=spec.url), node)
+
+    @property
+    def deployment(self) -> Deployment:
+        return self.session.deployment
+
+    @property
+    def samples(self) -> deque[Sample]:
+        return self.session.samples
+
+    @property
+    def model(self) -> str | None:
+        return self.session.model
 
     @property
     def pid(self) -> int | None:
@@ -160,26 +130,19 @@ class Watched:
 
     def manifest(self, note: str) -> Manifest:
         """As diagnose and top write it (discover.deployment_manifest): the URL without its user:password."""
-        return deployment_manifest(self.deployment, self.deployment.root_pid, notes=(note,))
+        return self.session.manifest((note,), pid=self.deployment.root_pid)
 
     def sample(self, full: bool, stacks: bool, options: SamplerOptions) -> Sample:
-        """Take one sample and keep it: cheap (one /metrics scrape and each process's CPU), or full
-        (the sampler's: /health, every process and thread, sockets, and when asked a py-spy dump of each)."""
-        if self.deployment.metrics_url is None and self.spec.pid is not None:
-            self._rediscover()  # the API server was not listening yet
-        if full:
-            s = take_sample(self.deployment, with_stacks=stacks, options=options, scraper=self._scraper)
-            self._roles_read = 0.0  # the tree may have changed: walk it again at the next cheap tick
-        else:
-            s = self._cheap_sample(options)
-        if self.model is None:
-            self.model = model_from_metrics(s)
-            if self.model and not self.samples:  # named before its first evaluation, never after
-                self.name = target_name(self.node, self.deployment.base_url, self.model, self.deployment.root_pid)
-        self.samples.append(s)
+        """Take one sample and keep it: a cheap look (one /metrics scrape and each process's CPU), or
+        a full one (the sampler's: /health, every process and thread, sockets, and when asked a
+        py-spy dump of each)."""
+        s = self.session.full_look(stacks, options) if full else self.session.cheap_look(options)
+        if self.model is None and self.session.name_model(s) and not self.samples:
+            # named before its first evaluation, never after
+            self.name = target_name(self.node, self.deployment.base_url, self.model, self.deployment.root_pid)
         self.kept_bytes += sample_bytes(s)
-        while self.samples and s.t - self.samples[0].t > KEEP_S:
-            self.kept_bytes -= sample_bytes(self.samples.popleft())
+        for gone in self.session.record(s):
+            self.kept_bytes -= sample_bytes(gone)
         if self.kept_bytes > self.budget_bytes:
             self.budget_exceeded += 1
             self._trim()
@@ -188,8 +151,7 @@ class Watched:
     def set_budget(self, budget_bytes: int) -> None:
         """The bytes its kept samples may take; a page bigger than that is not even read (bad_data)."""
         self.budget_bytes = budget_bytes
-        page = max(0, budget_bytes - SAMPLE_OVERHEAD - 4096)
-        self._scraper.max_bytes = self._cheap.max_bytes = page
+        self.session.set_page_limit(max(0, budget_bytes - SAMPLE_OVERHEAD - 4096))
 
     def _trim(self) -> None:
         """Back within the budget: the older samples' pages made lean (what the classifier reads:
@@ -215,54 +177,12 @@ class Watched:
         self.kept_bytes += sample_bytes(sample) - sample_bytes(self.samples[i])
         self.samples[i] = sample
 
-    def _cheap_sample(self, options: SamplerOptions) -> Sample:
-        """/metrics and /proc/PID/stat of the processes known: what a healthy server costs us. The
-        process tree is walked again every ROLES_EVERY_S; a process gone from it shows as missing."""
-        d = self.deployment
-        t = time.time()
-        failures: list[CollectorFailure] = []
-        if d.root_pid is not None and time.monotonic() - self._roles_read > ROLES_EVERY_S:
-            self.deployment = d = replace(d, roles=tree_roles(d.root_pid) or d.roles)
-            self._roles_read = time.monotonic()
-        procs = []
-        for pid, role in d.roles.items():
-            stat, fails = procfs.read_process_stat(pid)
-            if stat is None or stat.state in ("Z", "X"):
-                failures.extend(f for f in fails if f.kind is not FailureKind.GONE)
-                continue
-            procs.append(ProcessSample(pid=pid, ppid=stat.ppid, role=role, name=stat.comm, state=stat.state,
-                                       cpu_user_s=stat.utime_s, cpu_system_s=stat.stime_s,
-                                       num_threads=stat.num_threads))
-        metrics = self._cheap.metrics(d.metrics_url, options.scrape_timeout_s) if d.metrics_url else None
-        if metrics is not None and not metrics.ok:
-            failures.append(CollectorFailure("metrics", failure_kind(metrics.error),
-                                             metrics.error or f"HTTP {metrics.status}", d.metrics_url or ""))
-        return Sample(t=t, metrics=metrics, processes=tuple(procs), failures=tuple(failures))
-
     def close(self) -> None:
-        self._scraper.close()
-        self._cheap.close()
-
-    def _rediscover(self) -> None:
-        try:
-            self.deployment = discover(pid=self.spec.pid or self.deployment.root_pid, url=self.spec.url)
-        except WedgectlError:
-            return
+        self.session.close()
 
     def log_tail(self, fresh: bool = False, max_bytes: int = VERDICT_LOG_BYTES) -> tuple[str, ...]:
         """The server log's tail, re-read at most every LOG_EVERY_S unless fresh."""
-        log = self.deployment.log  # read through the process's descriptor, never by the path it shows
-        if log is None:
-            return ()
-        if not fresh and max_bytes == VERDICT_LOG_BYTES and time.monotonic() - self._log_read < LOG_EVERY_S:
-            return self._log
-        try:
-            lines = read_log_lines(log, max_bytes=max_bytes)[0]
-        except WedgectlError:
-            lines = ()
-        if max_bytes == VERDICT_LOG_BYTES:
-            self._log, self._log_read = lines, time.monotonic()
-        return lines
+        return self.session.log_tail(max_bytes, max_age_s=0.0 if fresh else LOG_EVERY_S)
 
     def window(self) -> tuple[Sample, ...]:
         """The samples the verdict rests on: the last CLASSIFY_S, and at least MIN_CLASSIFY."""

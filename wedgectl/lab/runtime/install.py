@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from wedgectl.model import exitcodes
 from wedgectl.model.errors import WedgectlError
-from wedgectl.collect.control import DEVNULL, STDOUT, CompletedProcess, TimeoutExpired, run_bounded
+from wedgectl.collect.control import ChildTimeout, Finished, Stream, run_bounded
 
 import contextlib
 import fcntl
@@ -42,7 +42,7 @@ VENV_TIMEOUT_S = 120
 VERIFY_TIMEOUT_S = 180
 
 Progress = Callable[[str], None]
-Runner = Callable[..., CompletedProcess]
+Runner = Callable[..., Finished]
 
 
 class RuntimeMissing(WedgectlError):
@@ -176,12 +176,12 @@ def _run_step(
     try:
         done = run(
             list(argv),
-            stderr=STDOUT,
+            stderr=Stream.STDOUT,
             timeout=timeout,
-            stdin=DEVNULL,
+            stdin=Stream.NULL,
             cwd="/",  # `-m` and `-c` put the working folder first on sys.path: never the caller's
         )
-    except TimeoutExpired as exc:
+    except ChildTimeout as exc:
         log.write(_as_text(exc.output))
         log.flush()
         raise RuntimeInstallError(

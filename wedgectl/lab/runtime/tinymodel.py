@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from wedgectl.collect.control import DEVNULL, TimeoutExpired, run_bounded
+from wedgectl.collect.control import ChildTimeout, Stream, run_bounded
 from wedgectl.lab.runtime.install import cache_dir
 
 MODEL_NAME = "tiny-llama-v2"
@@ -53,11 +53,11 @@ def ensure_tiny_model(
     try:
         done = run_bounded(
             [str(python), str(MAKE_MODEL_SCRIPT), str(staging)],
-            stdin=DEVNULL,
+            stdin=Stream.NULL,
             env=env,
             timeout=timeout_s,
         )
-    except TimeoutExpired:
+    except ChildTimeout:
         shutil.rmtree(staging, ignore_errors=True)
         raise ModelBuildError(
             f"{MAKE_MODEL_SCRIPT.name} ran past {timeout_s:.0f} s"

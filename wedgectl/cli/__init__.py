@@ -1,5 +1,10 @@
 """The wedgectl command line: thin typer commands over the library.
 
+A command parses its options (each checked as it is parsed: checks.py), calls the layer below that does
+the work (diagnose: capture/diagnosis.py) and prints what a renderer yields (render/). Each imports what
+it uses inside its own body, so a start pays only for the command it runs: `diagnose --json` of a bundle
+loads no collector, no HTTP, no TUI and no exposition.
+
 No `from __future__ import annotations` here: typer reads every command's parameters at each
 start, and string annotations would be compiled and evaluated then (about 25 ms of CPU a
 run, measured), where real ones were built once, at import.
@@ -8,21 +13,36 @@ run, measured), where real ones were built once, at import.
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from typer.core import TyperGroup
 
 from wedgectl import __version__
-
+from wedgectl.cli import checks
 from wedgectl.model import bounds, exitcodes
-from wedgectl.model.errors import UnwritableOutput, WedgectlError
-from wedgectl.read.redact import printable, redact_text
-from wedgectl.render.text import failure_summary, render_report
+from wedgectl.model.errors import WedgectlError
 from wedgectl.model.types import ProbeBackend, ProbeMode
+from wedgectl.read.redact import printable, redact_text
+
+
+class _Commands(TyperGroup):
+    """The commands, noting a Ctrl-C that ends one: typer turns the KeyboardInterrupt into a bare exit
+    status 130, and main() then says so in one line. Noted here rather than by a SIGINT handler of
+    main()'s own, which would be collect.control's: every command would pay for its import."""
+
+    def invoke(self, ctx: Any) -> Any:  # click's Context, which typer vendors privately
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            _interrupted.append(True)
+            raise
+
 
 app = typer.Typer(
+    cls=_Commands,
     name="wedgectl",
     help="Tell apart the ways a vLLM server hangs while looking healthy.",
     no_args_is_help=True,
@@ -39,129 +59,13 @@ def _echo(lines: Iterable[str]) -> None:
         typer.echo(redact_text(line))  # the renderers redact before wrapping; this is the last guard
 
 
-# --- what an option may be: checked as it is parsed, before a command does anything -----------------
-
-class _Refused(typer.BadParameter):
-    """A usage error whose message names the option itself ('--window must be > 0 and <= 86400, not nan')."""
-
-    def format_message(self) -> str:
-        return self.message
-
-
-def _values(value: Any) -> tuple[Any, ...]:
-    """An option's value(s): none for an option not given, each of a repeated one's."""
-    return () if value is None else tuple(value) if isinstance(value, (list, tuple)) else (value,)
-
-
-def _within(lo: float, hi: float, *, above: bool = False) -> Callable[..., Any]:
-    """The callback every numeric option takes: its value (each value of a repeatable one) must be a
-    finite number in the range (bounds.in_range): nan, inf and out-of-range are usage errors."""
-
-    def check(ctx: typer.Context, param: typer.CallbackParam, value: Any) -> Any:
-        for v in _values(value):
-            if not bounds.in_range(v, lo, hi, above=above):
-                raise _Refused(f"{max(param.opts, key=len)} must be {bounds.describe(lo, hi, above=above)}, not {v!r}")
-        return value
-
-    return check
-
-
-_pid = _within(1, bounds.MAX_PID)
-_seconds = _within(0, bounds.DAY_S, above=True)  # windows, intervals, timeouts
-_count = _within(1, bounds.MAX_COUNT)
-
-
-def _url(ctx: typer.Context, param: typer.CallbackParam, value: Any) -> Any:
-    """--url: a well-formed http(s) URL with a host (a port, where given, 0..65535)."""
-    for url in _values(value):
-        problem = _url_problem(url)
-        if problem is not None:
-            raise _Refused(f"--url {url[:200]!r}: {problem}")
-    return value
-
-
-def _url_problem(url: str) -> str | None:
-    from urllib.parse import urlsplit
-
-    text = url.strip()
-    text = text if "://" in text else f"http://{text}"  # as the scraper reads it (collect/scrape.py)
-    try:
-        parts = urlsplit(text)
-        parts.port  # noqa: B018 - urllib checks the port as it reads it
-    except ValueError as exc:
-        return f"not a URL ({exc})"
-    if parts.scheme.lower() not in ("http", "https"):
-        return "the scheme must be http or https"
-    if not parts.hostname:
-        return "no host"
-    if any(c <= " " or c == "\x7f" for c in text):
-        return "a space or control character"
-    return None
-
-
-def _new_output(ctx: typer.Context, param: typer.CallbackParam, value: Optional[Path]) -> Optional[Path]:
-    """--save-bundle: refused before any capture (UnwritableOutput, one line) when it names something
-    that exists (the writer makes a new file or folder), or a place no folder can be made."""
-    if value is not None:
-        problem = _output_problem(value, new=True)
-        if problem is not None:
-            raise UnwritableOutput(f"{max(param.opts, key=len)} {value}: {problem}; refused")
-    return value
-
-
-def _output_dir(ctx: typer.Context, param: typer.CallbackParam, value: Optional[Path]) -> Optional[Path]:
-    """A folder bundles are saved into: an existing folder, or one that can be made."""
-    if value is not None:
-        problem = _output_problem(value, new=False)
-        if problem is not None:
-            raise UnwritableOutput(f"{max(param.opts, key=len)} {value}: {problem}; refused")
-    return value
-
-
-def _output_problem(path: Path, *, new: bool) -> str | None:
-    """Why a bundle (new: a file or folder to create) or a folder of them cannot be written at path."""
-    import errno
-    import stat
-
-    try:
-        st = os.lstat(path) if new else os.stat(path)  # a link to top's folder is its folder
-    except OSError as exc:
-        if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
-            return exc.strerror or str(exc)
-    else:
-        if stat.S_ISLNK(st.st_mode):
-            return "a symbolic link"
-        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
-            return "not a regular file or folder"
-        if not stat.S_ISDIR(st.st_mode):
-            return "exists" if new else "not a folder"
-        if new and path.name.endswith((".tar.gz", ".tgz")):
-            return "a folder"
-        if not new:
-            return None  # top's folder: its writability is for the s key to find, not top's start
-    parent = path.absolute().parent
-    while True:  # the nearest that exists: the folders below it are made
-        try:
-            st = os.stat(parent)
-            break
-        except OSError as exc:
-            if exc.errno not in (errno.ENOENT, errno.ENOTDIR) or parent == parent.parent:
-                return f"{parent}: {exc.strerror or exc}"
-            parent = parent.parent
-    if not stat.S_ISDIR(st.st_mode):
-        return f"{parent} is not a folder"
-    if new and not os.access(parent, os.W_OK | os.X_OK):
-        return f"{parent} is not writable"
-    return None
-
-
 @app.command()
 def diagnose(
     pid: Annotated[Optional[int],
-                   typer.Option("--pid", callback=_pid,
+                   typer.Option("--pid", callback=checks.pid,
                                 help="Any pid of the vLLM deployment (API server, EngineCore, Worker).")] = None,
     url: Annotated[Optional[str],
-                   typer.Option("--url", callback=_url,
+                   typer.Option("--url", callback=checks.url,
                                 help="The server's base URL, e.g. http://127.0.0.1:8000 "
                                      "(metrics only without --pid).")] = None,
     # readable=False on input paths: click would refuse an unreadable one with the usage code (2); the
@@ -171,13 +75,14 @@ def diagnose(
                       typer.Option("--bundle", help="Re-classify a saved evidence bundle (directory or .tar.gz).",
                                    readable=False)] = None,
     window: Annotated[float,
-                      typer.Option("--window", callback=_seconds,
+                      typer.Option("--window", callback=checks.seconds,
                                    help="Seconds to sample a live server (stops early once certain; runs on to twice "
                                         "this while the server answers too few scrapes to measure a rate).")] = 6.0,
     interval: Annotated[float,
-                        typer.Option("--interval", callback=_seconds, help="Seconds between live samples.")] = 1.0,
+                        typer.Option("--interval", callback=checks.seconds,
+                                     help="Seconds between live samples.")] = 1.0,
     save_bundle: Annotated[Optional[Path],
-                           typer.Option("--save-bundle", callback=_new_output,
+                           typer.Option("--save-bundle", callback=checks.new_output,
                                         help="Write the evidence to this directory or .tar.gz.")] = None,
     native: Annotated[bool,
                       typer.Option("--native", help="Native stacks too (py-spy pauses the target briefly).")] = False,
@@ -206,87 +111,19 @@ def diagnose(
     13 shutdown_hang; 14 engine_dead; 15 inconclusive; 16 startup_hang;
     17 orphaned_engine; 18 leaked_capacity; 19 collective_hang; 20+ bad input (see README).
     """
-    from wedgectl.store.bundle import read_bundle, write_bundle
-    from wedgectl.classify import classify
+    from wedgectl.capture import diagnosis
+    from wedgectl.render.text import render_diagnosis
 
-    chosen = [x for x in (pid, url, log, bundle) if x is not None]
-    if not chosen:
-        raise typer.BadParameter("give one of --pid, --url, --log or --bundle")
-    if bundle is not None and (pid is not None or url is not None or log is not None):
-        raise typer.BadParameter("--bundle re-classifies saved evidence; it takes no other source")
-
-    if bundle is not None:
-        b = read_bundle(bundle)
-        verdict = classify(b)
-        from wedgectl.classify.collective import rank_summaries
-
-        _echo(render_report(verdict, as_json, source=b.manifest.source,
-                            recorded_verdict=b.verdict.verdict.value if b.verdict else None,
-                            ranks=rank_summaries(b) or None))
-        raise typer.Exit(exitcodes.for_verdict(verdict.verdict))
-
-    if pid is None and url is None:
-        from wedgectl.store.sources import bundle_from_log
-
-        assert log is not None  # a source was given, and it is not --bundle
-        b = bundle_from_log(log)
-    else:
-        from wedgectl.capture.sampler import (SamplerOptions, capture, fatal_problem, lower_priority, raise_priority,
-                                      restore_priority)
-
-        say = None if quiet or as_json and not sys.stderr.isatty() else _progress
-        urgent_note = None
-        if urgent:
-            urgent_note = raise_priority()  # before any thread starts: it may go on in a child
-            if say:
-                say(urgent_note)
-        elif low_priority:
-            lower_priority()  # best effort: a refused nice or ioprio changes nothing but the priority
-        opts = SamplerOptions(
-            window_s=window,
-            interval_s=interval,
-            stacks=not no_stacks,
-            native=native,
-            ebpf=ebpf.value,
-            progress=say,
-        )
-        b = capture(pid=pid, url=url, log_path=log, options=opts)
-        if urgent_note:
-            from dataclasses import replace
-
-            b = replace(b, manifest=replace(b.manifest, notes=(*b.manifest.notes, urgent_note)))
-        # The target is sampled: what is left (classify, print, exit) is wedgectl's alone and takes
-        # milliseconds of CPU, which a niced process next to a busy server can wait seconds for.
-        restore_priority()
-        problem = fatal_problem(b)
-        if problem is not None:
-            if save_bundle is not None:
-                write_bundle(b, save_bundle)
-            raise problem
-    # Lean copies (wedgectl/classify/judged.py): the same verdict, from the parses the capture already made.
-    from wedgectl.classify.judged import judged_bundle
-
-    verdict = classify(judged_bundle(b))
-    from dataclasses import replace
-
-    b = replace(b, verdict=verdict)
-    saved = str(write_bundle(b, save_bundle)) if save_bundle is not None else None
-    extra: dict[str, Any] = {"source": b.manifest.source, "bundle": saved, "collector_failures": failure_summary(b)}
-    if b.manifest.target.pid is not None:
-        extra["pid"] = b.manifest.target.pid
-    if b.manifest.target.url is not None:
-        extra["url"] = b.manifest.target.url
-    # in --json, the probe header and one object per traced thread (tid, futex_addr, wait_s, ...)
-    probe_records = next((s.probes for s in reversed(b.samples) if s.probes), ())
-    if probe_records:
-        extra["probes"] = list(probe_records)
-    from wedgectl.classify.collective import rank_summaries
-
-    ranks = rank_summaries(b)
-    if ranks:
-        extra["ranks"] = ranks  # one object per Worker: rank, pid, device, CPU, where its stack is
-    _echo(render_report(verdict, as_json, **extra))
-    raise typer.Exit(exitcodes.for_verdict(verdict.verdict))
+    problem = diagnosis.source_problem(pid, url, log, bundle)
+    if problem is not None:
+        raise typer.BadParameter(problem)
+    say = None if quiet or as_json and not sys.stderr.isatty() else _progress
+    options = diagnosis.LiveOptions(window_s=window, interval_s=interval, stacks=not no_stacks, native=native,
+                                    ebpf=ebpf.value, low_priority=low_priority, urgent=urgent)
+    found = diagnosis.diagnose(pid=pid, url=url, log=log, bundle=bundle, save_to=save_bundle, options=options,
+                               progress=say)
+    _echo(render_diagnosis(found, as_json))
+    raise typer.Exit(exitcodes.for_verdict(found.verdict.verdict))
 
 
 @app.command()
@@ -306,7 +143,8 @@ def repro(
                                    help="Use this vLLM environment's python instead of the managed runtime.")] = None,
     out: Annotated[Optional[Path],
                    typer.Option("--out", help="Folder for the bundle, server log and client results.")] = None,
-    window: Annotated[float, typer.Option("--window", callback=_seconds, help="Diagnosis window in seconds.")] = 6.0,
+    window: Annotated[float,
+                      typer.Option("--window", callback=checks.seconds, help="Diagnosis window in seconds.")] = 6.0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
 ) -> None:
     """Reproduce a hang class on a real vLLM server and diagnose it; exit 0 only when the verdict matches."""
@@ -341,24 +179,25 @@ def repro(
 @app.command()
 def top(
     pid: Annotated[Optional[int],
-                   typer.Option("--pid", callback=_pid, help="Any pid of the vLLM deployment to watch.")] = None,
+                   typer.Option("--pid", callback=checks.pid, help="Any pid of the vLLM deployment to watch.")] = None,
     url: Annotated[Optional[str],
-                   typer.Option("--url", callback=_url,
+                   typer.Option("--url", callback=checks.url,
                                 help="The server's base URL (metrics only without --pid).")] = None,
     bundle: Annotated[Optional[Path],
                       typer.Option("--bundle", help="Replay a saved evidence bundle in the same view.",
                                    readable=False)] = None,
-    refresh: Annotated[float, typer.Option("--refresh", callback=_seconds, help="Seconds between samples.")] = 2.0,
+    refresh: Annotated[float,
+                       typer.Option("--refresh", callback=checks.seconds, help="Seconds between samples.")] = 2.0,
     stacks_every: Annotated[int,
-                            typer.Option("--stacks-every", callback=_count,
+                            typer.Option("--stacks-every", callback=checks.count,
                                          help="py-spy stacks on every Nth refresh while the verdict is not healthy "
                                               "(d/D take them at once).")] = 5,
     stacks_quiet: Annotated[float,
-                            typer.Option("--stacks-quiet", callback=_seconds,
+                            typer.Option("--stacks-quiet", callback=checks.seconds,
                                          help="Seconds between py-spy stacks while the verdict is healthy (idle or "
                                               "progressing): a dump costs ~10 ms of CPU a process.")] = 60.0,
     save_dir: Annotated[Path,
-                        typer.Option("--save-dir", callback=_output_dir,
+                        typer.Option("--save-dir", callback=checks.output_dir,
                                      help="Folder for bundles saved with the s key.")] = Path("."),
     low_priority: Annotated[bool,
                             typer.Option("--low-priority/--same-priority",
@@ -373,7 +212,7 @@ def top(
     if bundle is not None and (pid is not None or url is not None):
         raise typer.BadParameter("--bundle replays saved evidence; it takes no --pid or --url")
     if low_priority:
-        from wedgectl.capture.sampler import lower_priority
+        from wedgectl.collect.priority import lower_priority
 
         lower_priority()
     source: BundleSource | LiveSource | None
@@ -389,9 +228,10 @@ def top(
 @app.command()
 def probes(
     pid: Annotated[Optional[int],
-                   typer.Option("--pid", callback=_pid, help="Run the probes on this pid and its descendants.")] = None,
+                   typer.Option("--pid", callback=checks.pid,
+                                help="Run the probes on this pid and its descendants.")] = None,
     seconds: Annotated[float,
-                       typer.Option("--seconds", callback=_within(0, bounds.PROBE_WINDOW_S, above=True),
+                       typer.Option("--seconds", callback=checks.within(0, bounds.PROBE_WINDOW_S, above=True),
                                     help="How long to trace with --pid.")] = 5.0,
     backend: Annotated[ProbeBackend,
                        typer.Option("--backend",
@@ -418,7 +258,7 @@ def probes(
     """
     from wedgectl import probes as programs
     from wedgectl.store.bundle import to_jsonable
-    from wedgectl.collect import ebpf, ebpfhost
+    from wedgectl.collect import control, ebpf, ebpfhost
     from wedgectl.render.text import dumps, render_backends, render_threads
 
     names = programs.ALL_PROBES if pylocks else programs.DEFAULT_PROBES
@@ -437,6 +277,7 @@ def probes(
     if not ebpf.pids_exist([pid]):
         typer.echo(f"wedgectl: no such process: {pid}", err=True)
         raise typer.Exit(programs.EXIT_GONE)
+    control.handle_interrupt_unless_handled(_note_interrupt)  # run_probes keeps a Ctrl-C to itself: noted here
     say = None if quiet or as_json and not sys.stderr.isatty() else _progress
     if say is not None:
         say(f"attaching the probes to pid {pid} and its descendants")
@@ -464,14 +305,14 @@ def probes(
 @app.command()
 def swap(
     pid: Annotated[int,
-                   typer.Option("--pid", callback=_pid,
+                   typer.Option("--pid", callback=checks.pid,
                                 help="Any pid of the running vLLM deployment (API server, EngineCore, Worker).")],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and touch nothing.")] = False,
     health_timeout: Annotated[float,
-                              typer.Option("--health-timeout", callback=_seconds,
+                              typer.Option("--health-timeout", callback=checks.seconds,
                                            help="Seconds to wait for the new server's /health.")] = 600.0,
     stop_grace: Annotated[float,
-                          typer.Option("--stop-grace", callback=_within(0, bounds.DAY_S),
+                          typer.Option("--stop-grace", callback=checks.within(0, bounds.DAY_S),
                                        help="Seconds between SIGTERM and SIGKILL for the old server.")] = 15.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (secrets redacted).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
@@ -507,10 +348,10 @@ def swap(
 @app.command()
 def watch(
     pid: Annotated[Optional[list[int]],
-                   typer.Option("--pid", callback=_pid,
+                   typer.Option("--pid", callback=checks.pid,
                                 help="A pid of a vLLM deployment to watch (repeatable).")] = None,
     url: Annotated[Optional[list[str]],
-                   typer.Option("--url", callback=_url,
+                   typer.Option("--url", callback=checks.url,
                                 help="A server's base URL to watch, metrics only (repeatable).")] = None,
     listen: Annotated[str,
                       typer.Option("--listen",
@@ -525,34 +366,34 @@ def watch(
                           typer.Option("--bundle-dir",
                                        help="Save an evidence bundle here at each episode's onset.")] = None,
     bundle_keep: Annotated[int,
-                           typer.Option("--bundle-keep", callback=_count,
+                           typer.Option("--bundle-keep", callback=checks.count,
                                         help="Onset bundles kept in --bundle-dir (oldest deleted first).")] = 50,
     bundle_max_mb: Annotated[float,
-                             typer.Option("--bundle-max-mb", callback=_within(0, bounds.MAX_MIB, above=True),
+                             typer.Option("--bundle-max-mb", callback=checks.within(0, bounds.MAX_MIB, above=True),
                                           help="MiB all onset bundles may take together.")] = 512.0,
     grace: Annotated[float,
-                     typer.Option("--grace", callback=_within(0, bounds.DAY_S),
+                     typer.Option("--grace", callback=checks.within(0, bounds.DAY_S),
                                   help="Seconds in a hang class before /livez answers 503.")] = 120.0,
     interval: Annotated[float,
-                        typer.Option("--interval", callback=_seconds,
+                        typer.Option("--interval", callback=checks.seconds,
                                      help="Seconds between looks at each server.")] = 5.0,
     ebpf: Annotated[ProbeMode,
                     typer.Option("--ebpf", help="Probes in the capture taken at an episode's onset.")] = ProbeMode.AUTO,
     as_json: Annotated[bool, typer.Option("--json", help="Episodes as JSON lines.")] = False,
     max_seconds: Annotated[Optional[float],
-                           typer.Option("--max-seconds", callback=_within(0, bounds.YEAR_S, above=True),
+                           typer.Option("--max-seconds", callback=checks.within(0, bounds.YEAR_S, above=True),
                                         help="Stop after this long (tests, benchmarks).")] = None,
     users: Annotated[Optional[str], typer.Option("--users", help="Host mode: adopt only servers run by these users "
                                                  "(names or uids, comma-separated; default: root and the user watch "
                                                  "runs as).")] = None,
     max_targets: Annotated[int,
-                           typer.Option("--max-targets", callback=_count,
+                           typer.Option("--max-targets", callback=checks.count,
                                         help="Host mode: adopt at most this many servers.")] = 64,
     target_budget_mb: Annotated[float,
-                                typer.Option("--target-budget-mb", callback=_within(0.0625, bounds.MAX_MIB),
+                                typer.Option("--target-budget-mb", callback=checks.within(0.0625, bounds.MAX_MIB),
                                              help="MiB each server's kept samples may take.")] = 8.0,
     total_budget_mb: Annotated[float,
-                               typer.Option("--total-budget-mb", callback=_within(0.0625, bounds.MAX_MIB),
+                               typer.Option("--total-budget-mb", callback=checks.within(0.0625, bounds.MAX_MIB),
                                             help="MiB all servers' kept samples may take.")] = 256.0,
 ) -> None:
     """Classify every vLLM server continuously; serve the verdicts to Prometheus and liveness probes.
@@ -564,9 +405,9 @@ def watch(
 
     One line per episode on stdout (--json: JSON lines). SIGTERM or Ctrl-C stops it.
     """
-    import signal
     import threading
 
+    from wedgectl.collect.control import Signal, handle_signals
     from wedgectl.watch import Rotation, Spec, WatchOptions, run_watch
 
     import math
@@ -599,8 +440,7 @@ def watch(
     except OSError:
         pass
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    handle_signals((Signal.TERM, Signal.INT), lambda _sig: stop.set())
     try:
         rc = run_watch(options, stop, emit=lambda line: print(line, flush=True), say=_progress, max_s=max_seconds)
     except (OSError, ValueError) as exc:
@@ -667,19 +507,14 @@ def _usage_line(exc: Any) -> str:
 _interrupted: list[bool] = []
 
 
-def _on_sigint(_signum: int, _frame: object) -> None:
-    """Ctrl-C as Python's own handler does it (KeyboardInterrupt), noted: typer turns the
-    interrupt into a bare exit status 130, and main() then says so in one line."""
+def _note_interrupt(_sig: object) -> None:
+    """Ctrl-C as Python's own handler does it (KeyboardInterrupt), noted even where a command catches it."""
     _interrupted.append(True)
     raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: domain errors become one line on stderr and their exit code."""
-    import signal
-
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _on_sigint)
     try:
         rc = app(args=argv, standalone_mode=False)
         if rc == exitcodes.INTERRUPTED and _interrupted:
