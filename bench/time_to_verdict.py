@@ -13,10 +13,12 @@ one object per config (name, expected, verdicts, median_s, median_cpu_s,
 median_cpu_wait_s, right, runs, and the warm_ figures below) and a last object with the goals
 and the host's load.
 
-Then the same RUNS diagnoses in one child process that imports wedgectl once and calls its
-command line's entry point each time (`warm_median_cpu_s`, `warm_median_s`, `warm_right`):
-what a long-lived caller such as `wedgectl watch` pays per capture. The one-shot CPU less the
-warm CPU is what the interpreter's start-up and the imports cost each run.
+Side by side with each run, in the same loop: the same diagnose in one child process that
+imported wedgectl once and calls its command line's entry point for each run (`warm_median_cpu_s`,
+`warm_median_s`, `warm_right`): what a long-lived caller such as `wedgectl watch` pays per
+capture. The cold and warm runs alternate (cold, then warm, run after run), so a drift in the
+host's load falls on both; the table prints the cold/warm CPU ratio (`cold_over_warm_cpu`). The
+one-shot CPU less the warm CPU is what the interpreter's start-up and the imports cost each run.
 
 The goals (issue 14): median seconds to verdict <= 2.0 for idle, admission-wedge,
 engine-deadlock and shutdown-hang; <= 3.0 for healthy and starved; <= 5.0 for
@@ -91,11 +93,12 @@ def timed_diagnose(pid: int, extra: tuple[str, ...] = ()) -> tuple[float, float,
 
 
 def warm_child(pid: int, runs: int) -> None:
-    """In a child of the bench: import wedgectl once, then run `diagnose --pid PID --json` RUNS
-    times through the same entry point (wedgectl.cli.main), printing one JSON line per run: wall
-    s, CPU s (this process's threads and the py-spy and probe children it waited for, by rusage)
-    and the verdict. What a long-lived caller pays per capture once loaded (`wedgectl watch`
-    captures in-process at an episode's onset): the one-shot figure less the start-up."""
+    """In a child of the bench: import wedgectl once, print "ready", then for each line read
+    from stdin (at most RUNS) run `diagnose --pid PID --json` through the same entry point
+    (wedgectl.cli.main), printing one JSON line per run: wall s, CPU s (this process's threads
+    and the py-spy and probe children it waited for, by rusage) and the verdict. What a
+    long-lived caller pays per capture once loaded (`wedgectl watch` captures in-process at an
+    episode's onset): the one-shot figure less the start-up."""
     import contextlib
     import io
 
@@ -105,7 +108,8 @@ def warm_child(pid: int, runs: int) -> None:
         me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
-    for _ in range(runs):
+    print("ready", flush=True)
+    for _, _line in zip(range(runs), sys.stdin):
         out = io.StringIO()
         c0, t0 = cpu(), time.monotonic()
         with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
@@ -118,15 +122,39 @@ def warm_child(pid: int, runs: int) -> None:
         print(json.dumps({"wall": wall, "cpu": used, "verdict": verdict}), flush=True)
 
 
-def timed_warm(pid: int, runs: int) -> list[tuple[float, float, str]]:
-    """(wall s, CPU s, verdict) of each of RUNS in-process diagnoses (warm_child)."""
-    r = subprocess.run([sys.executable, __file__, "--warm-child", str(pid), str(runs)],
-                       capture_output=True, text=True, timeout=120 * runs)
-    got = []
-    for line in r.stdout.splitlines():
-        d = json.loads(line)
-        got.append((d["wall"], d["cpu"], d["verdict"]))
-    return got or [(float("nan"), float("nan"), f"error {r.returncode}")]
+class Warm:
+    """The warm child (warm_child), started once per config and asked for one diagnose at a time,
+    so its runs alternate with the cold ones."""
+
+    def __init__(self, pid: int, runs: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, "--warm-child", str(pid), str(runs)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True)
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        self.ready = self.proc.stdout.readline().strip() == "ready"  # imports done: they are not timed
+
+    def run(self) -> tuple[float, float, str]:
+        """(wall s, CPU s, verdict) of one in-process diagnose."""
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        if not self.ready:
+            return float("nan"), float("nan"), f"error {self.proc.poll()}"
+        try:
+            self.proc.stdin.write("go\n")
+            self.proc.stdin.flush()
+            d = json.loads(self.proc.stdout.readline())
+        except (OSError, ValueError):
+            self.ready = False
+            return float("nan"), float("nan"), f"error {self.proc.poll()}"
+        return d["wall"], d["cpu"], d["verdict"]
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def _children(pid: int) -> list[int]:
@@ -155,13 +183,18 @@ def bench_config(name: str, runs: int, out: Path, extra: tuple[str, ...] = (), u
     cfg = find_config(name)
     result = run_repro(cfg, out_dir=out / name, keep=True, progress=lambda m: None)
     grouped = []
+    warm = []
     try:
         got = []
-        for _ in range(runs):  # the default, then (with --urgent) `diagnose --urgent`: interleaved
-            got.append(timed_diagnose(result.pid, extra))
-            if urgent:
-                grouped.append(timed_diagnose(result.pid, ("--urgent",)))
-        warm = timed_warm(result.pid, runs)
+        warm_child = Warm(result.pid, runs)
+        try:
+            for _ in range(runs):  # cold, then (with --urgent) `diagnose --urgent`, then warm: interleaved
+                got.append(timed_diagnose(result.pid, extra))
+                if urgent:
+                    grouped.append(timed_diagnose(result.pid, ("--urgent",)))
+                warm.append(warm_child.run())
+        finally:
+            warm_child.close()
     finally:
         kill_session(result.pid)
     walls, cpus, waits, verdicts = zip(*got)
@@ -175,6 +208,8 @@ def bench_config(name: str, runs: int, out: Path, extra: tuple[str, ...] = (), u
            "warm_median_s": round(statistics.median(w for w, _, _ in warm), 2),
            "warm_median_cpu_s": round(statistics.median(c for _, c, _ in warm), 3),
            "warm_right": sum(v == cfg.expected for _, _, v in warm)}
+    row["cold_over_warm_cpu"] = (round(row["median_cpu_s"] / row["warm_median_cpu_s"], 2)
+                                 if row["warm_median_cpu_s"] > 0 else None)
     if grouped:
         g_walls, _, g_waits, g_verdicts = zip(*grouped)
         row |= {"urgent_verdicts": list(g_verdicts),
@@ -243,16 +278,17 @@ def main() -> int:
         return 0
     print()
     print(f"{'config':<16} {'median s':>9} {'goal s':>7} {'waited s':>9} {'median CPU s':>13} {'goal':>5} {'right':>6}"
-          f"  {'warm CPU s':>10} {'warm s':>7} {'right':>6}  load")
+          f"  {'warm CPU s':>10} {'warm s':>7} {'right':>6} {'cold/warm CPU':>13}  load")
     for r in rows:
         goal = f"{r['goal_s']:.1f}" if r["goal_s"] is not None else "-"
         print(f"{r['name']:<16} {r['median_s']:>9.2f} {goal:>7} {r['median_cpu_wait_s']:>9.2f} "
               f"{r['median_cpu_s']:>13.2f} "
               f"{GOAL_CPU_S:>5.1f} {r['right']:>3}/{r['runs']:<2}  {r['warm_median_cpu_s']:>10.2f} "
               f"{r['warm_median_s']:>7.2f} "
-              f"{r['warm_right']:>3}/{r['runs']:<2}  {r['load_avg']:.1f} on {cores} cores")
-    print("warm: the same diagnose run in one process that imported wedgectl once (what `wedgectl watch`'s "
-          "onset capture pays); the one-shot CPU less the warm CPU is the start-up's share")
+              f"{r['warm_right']:>3}/{r['runs']:<2} {r['cold_over_warm_cpu'] or float('nan'):>13.2f}  "
+              f"{r['load_avg']:.1f} on {cores} cores")
+    print("warm: the same diagnose, run after each cold one in one process that imported wedgectl once (what "
+          "`wedgectl watch`'s onset capture pays); the one-shot CPU less the warm CPU is the start-up's share")
     if args.urgent:
         print()
         print("diagnose --urgent, each run right after one of the above (autogroup "
