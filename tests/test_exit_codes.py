@@ -2,8 +2,8 @@
 
 Each test runs `python -m wedgectl ...` as a subprocess, bounded by a timeout, on real processes and
 real files, and checks the exit status and the one line on stderr (never a traceback). The codes that
-need a real vLLM server (41 for a verdict that does not match, 42) or eBPF (6) are in
-tests/integration/test_exit_codes_live.py.
+need a real vLLM server or eBPF are in tests/integration/: 41 (a verdict that does not match) in
+test_wheel.py, 42 and 6 in test_exit_codes_live.py.
 
 - 5: `probes --pid` of a process that is gone (a child of ours, exited and reaped);
 - 34: `swap --pid` run as nobody, without CAP_SYS_PTRACE, on root's deployment (its environment is not

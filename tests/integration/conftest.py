@@ -4,8 +4,11 @@
 environment, e.g. a GPU host's) or the managed CPU runtime, installed on first
 use (~80 s, ~3.4 GB under the wedgectl cache; WEDGECTL_NO_INSTALL=1 skips the
 tests instead). `vllm_server` is one tiny-model server shared by the session:
-tests must not stop it or leave it wedged; a test that needs its own server
-(custom flags, a plugin, a hang) starts one with `running_server`.
+started on first use, and again if a test left it dead. Tests must not stop it
+or leave it wedged; a test that needs its own server (custom flags, a plugin, a
+hang, a kill) starts one with `running_server`. A server start costs 20-40 s on
+2 cores (minutes under load): use the shared one whenever a test only needs
+*a* healthy or idle server.
 
 `spawn` starts a test target from tests/targets (or any script that announces
 through tests/targets/_announce.py) and returns a `Target` that reads what it
@@ -25,6 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
@@ -35,8 +39,9 @@ from wedgectl.lab.runtime import (
     ensure_tiny_model,
     free_port,
     install_runtime,
-    running_server,
     runtime_python,
+    start_server,
+    stop_server,
 )
 
 TARGETS = Path(__file__).resolve().parents[1] / "targets"
@@ -47,6 +52,32 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "integration: drives real processes (a real vLLM server, py-spy, /proc)",
     )
+    config.addinivalue_line(
+        "markers",
+        "ends_admission_wedge: the test ends the shared admission wedge (runs last of the fixture's users)",
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that use `admission_wedge` run one after another, from where the first of them stood,
+    the one that ends the wedge last: its engine spins a core, and nothing else should run beside it."""
+    users = [i for i in items if ADMISSION_WEDGE in getattr(i, "fixturenames", ())]
+    if not users:
+        return
+    first = items.index(users[0])
+    users.sort(key=lambda i: i.get_closest_marker("ends_admission_wedge") is not None)  # stable
+    rest = [i for i in items if ADMISSION_WEDGE not in getattr(i, "fixturenames", ())]
+    items[:] = rest[:first] + users + rest[first:]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """The shared admission wedge is stopped right after its last user, not at the session's end."""
+    try:
+        return (yield)
+    finally:
+        if _KEPT_WEDGE and (nextitem is None or ADMISSION_WEDGE not in getattr(nextitem, "fixturenames", ())):
+            _KEPT_WEDGE[-1].stop()
 
 
 @pytest.fixture(scope="session")
@@ -69,14 +100,120 @@ def tiny_model(vllm_python: Path) -> Path:
     return ensure_tiny_model(vllm_python)
 
 
+class SharedServer:
+    """The session's one stock tiny-model server: started on first use, stopped at the session's end, and
+    started again when a test left it dead or not answering /health (the next test still gets a healthy one)."""
+
+    def __init__(self, python: Path, model: Path, logs: Path) -> None:
+        self.python, self.model, self.logs = python, model, logs
+        self.starts = 0
+        self.server: Server | None = None
+
+    def _healthy(self, server: Server) -> bool:
+        if server.popen.poll() is not None:
+            return False
+        try:
+            with httpx.Client(timeout=10, trust_env=False) as client:
+                return client.get(f"{server.url}/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def get(self) -> Server:
+        if self.server is not None and not self._healthy(self.server):
+            self.stop()
+        if self.server is None:
+            self.starts += 1
+            spec = ServerSpec(model=self.model, port=free_port())
+            self.server = start_server(spec, self.python, self.logs / f"server.{self.starts}.log")
+        return self.server
+
+    def stop(self) -> None:
+        if self.server is not None:
+            stop_server(self.server, grace=10)
+            self.server = None
+
+
 @pytest.fixture(scope="session")
-def vllm_server(
-    vllm_python: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Server]:
-    log_path = tmp_path_factory.mktemp("vllm") / "server.log"
-    spec = ServerSpec(model=tiny_model, port=free_port())
-    with running_server(spec, vllm_python, log_path) as server:
-        yield server
+def shared_vllm(vllm_python: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer]:
+    shared = SharedServer(vllm_python, tiny_model, tmp_path_factory.mktemp("vllm"))
+    try:
+        yield shared
+    finally:
+        shared.stop()
+
+
+@pytest.fixture
+def vllm_server(shared_vllm: SharedServer) -> Server:
+    """The shared stock server (see SharedServer): a test may load it, never stop, wedge or modify it."""
+    return shared_vllm.get()
+
+
+ADMISSION_WEDGE = "admission_wedge"
+_KEPT_WEDGE: list[KeptWedge] = []
+
+
+class KeptWedge:
+    """`wedgectl repro admission-wedge --keep --json`, run once: a real admission wedge that outlives the
+    command (its clients held open by a detached `wedgectl.lab._hold`), shared by the tests that only read it
+    (test_repros, test_top_live) and then the one that ends it (test_watch_prometheus)."""
+
+    def __init__(self, python: Path, out: Path) -> None:
+        proc = subprocess.run([sys.executable, "-m", "wedgectl", "repro", "admission-wedge", "--keep", "--json", "-q",
+                               "--python", str(python), "--out", str(out)],
+                              capture_output=True, text=True, timeout=480)
+        self.rc = proc.returncode
+        try:
+            self.out: dict = json.loads(proc.stdout)
+        except ValueError:
+            pytest.fail(f"repro --keep printed no JSON (rc {proc.returncode}): {proc.stderr[-3000:]}")
+        self.pid: int = self.out["pid"]
+        self.url: str = self.out["url"]
+        self.stopped = False
+
+    def holders(self) -> list[psutil.Process]:
+        """The detached processes holding the wedge's requests open."""
+        out = []
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info["cmdline"] or []
+            if "wedgectl.lab._hold" in cmd and self.url in cmd:
+                out.append(p)
+        return out
+
+    def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        holders = self.holders()
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # the server runs in a session of its own: pgid == pid
+        except (ProcessLookupError, PermissionError):
+            pass
+        for h in holders:  # they exit once the server is gone; these are ours either way
+            try:
+                h.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(holders, timeout=10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def admission_wedge(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeptWedge]:
+    """The session's kept admission wedge (see KeptWedge); stopped after its last user. A test that ends it
+    is marked `ends_admission_wedge`, so that it runs after the others."""
+    wedge = KeptWedge(vllm_python, tmp_path_factory.mktemp("admission-wedge"))
+    _KEPT_WEDGE.append(wedge)
+    try:
+        yield wedge
+    finally:
+        wedge.stop()
+        _KEPT_WEDGE.remove(wedge)
 
 
 @dataclass

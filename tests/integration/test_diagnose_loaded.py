@@ -23,7 +23,7 @@ from wedgectl.classify.facts import CPU_WAIT_SHARE, Facts
 from wedgectl.collect.processes import STEPPING_ROLES, role_of
 from wedgectl.model.exitcodes import VERDICT_CODES
 from wedgectl.lab.repro import scrape_snapshot
-from wedgectl.capture.sampler import CERTAIN, engine_stepping
+from wedgectl.capture.policy import CERTAIN, engine_stepping
 from wedgectl.model.types import VerdictKind
 
 HANGS = {VerdictKind.ENGINE_DEADLOCK, VerdictKind.ADMISSION_WEDGE, VerdictKind.COLLECTIVE_HANG,
@@ -148,8 +148,17 @@ def test_an_engine_its_cpu_limit_starves_is_not_called_a_deadlock(vllm_python, t
     r = subprocess.run([sys.executable, "-m", "wedgectl", "repro", "healthy", "--keep", "--json",
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=400)
     assert r.stdout.strip(), r.stderr[-3000:]
-    pid = json.loads(r.stdout)["pid"]
+    control = json.loads(r.stdout)
+    pid = control["pid"]
     hogs: list[subprocess.Popen] = []
+    try:
+        # First the `healthy` control itself, before any limit: a classifier that cries wolf is worse than none.
+        assert (control["verdict"], r.returncode) == ("progressing", 0), control["summary"]
+        assert control["facts"]["tokens_per_s"] > 10
+        assert all(c.get("status") == 200 for c in control["client"] if "status" in c)
+    except AssertionError:
+        _end_session(pid)
+        raise
     try:
         engine = [p.pid for p in psutil.Process(pid).children(recursive=True) if role_of(p) in STEPPING_ROLES]
         assert len(engine) == 2, engine

@@ -16,7 +16,7 @@ from wedgectl.lab.patched import run_patched
 from wedgectl.lab.engine_install import ensure_engine_plugin
 from wedgectl.render.text import render_patched
 from wedgectl.lab.repro import find_config, list_configs
-from wedgectl.lab.runtime import ServerSpec, free_port, running_server
+from wedgectl.lab.runtime import Server, ServerSpec, free_port, running_server
 
 pytestmark = pytest.mark.integration
 
@@ -25,11 +25,33 @@ WEDGING = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 
            "ignore_eos": True}
 
 
-@pytest.mark.parametrize("name", [c.name for c in list_configs()])
+# Controls whose patched run another patched run already covers (each costs a server start, 40-90 s):
+# idle and healthy are both inside healthy-loaded (a stream that drains, then a SIGTERM to a quiet
+# patched server, its exit bounded) and test_healthy_output_unchanged_by_the_plugin; healthy-tp2's
+# patched TP2 server starts, serves and exits in bound in collective-hang's run too, which exits
+# in bound with a rank hung besides (and test_repros_tp runs healthy-tp2 itself).
+COVERED_ELSEWHERE = {"idle", "healthy", "healthy-tp2"}
+# The starved repro paces its runaway to last 90 s so that a diagnosis sees the starvation; the
+# patched run only asserts that every queued request completes once it ends, which 20 s shows too.
+# startup-hang: `repro --patched` gives the start-up deadline 90 s (a healthy start on a loaded host
+# stays under it); the hung start here never ends by itself, so 60 s ends it as surely, 30 s sooner.
+EXTRA_ENV = {"starved": {"WEDGE_ENGINE_FAULT_HOLD_S": "20"}, "startup-hang": {"WEDGE_ENGINE_STARTUP_S": "60"}}
+
+
+@pytest.mark.parametrize("name", [c.name for c in list_configs() if c.name not in COVERED_ELSEWHERE])
 def test_repro_patched_does_not_hang(name: str, vllm_python: Path, tiny_model: Path, tmp_path: Path) -> None:
-    result = run_patched(find_config(name), python=str(vllm_python), out_dir=tmp_path)
+    result = run_patched(find_config(name), python=str(vllm_python), out_dir=tmp_path, extra_env=EXTRA_ENV.get(name))
     report = "\n".join(render_patched(result))
     assert result.passed, f"{report}\n--- server log tail ---\n{log_tail(result.log_path) if result.log_path else ''}"
+    if name == "startup-hang":  # the deadline this run set is the one that ended the start
+        assert result.log_path is not None and "start-up did not finish within 60" in log_tail(result.log_path, 400)
+    if name == "leaked-capacity":
+        # the reaper, not luck: each of the three disconnects the fault left unaborted was reaped
+        assert result.log_path is not None
+        log = result.log_path.read_text(errors="replace")
+        assert log.count("fault lost-abort: client gone") == 3 and log.count("reaper: client of request") == 3, \
+            log_tail(result.log_path)
+        assert result.observation.reaped == 3
     if result.config.expected in ("startup_hang", "orphaned_engine"):
         return  # no SIGTERM in these: the server ends its own start-up, or its API server is SIGKILLed
     exit_check = next(c for c in result.checks if c.name == "exit on SIGTERM")
@@ -48,11 +70,10 @@ def _completions(url: str) -> list[str]:
     return out
 
 
-def test_healthy_output_unchanged_by_the_plugin(vllm_python: Path, tiny_model: Path, tmp_path: Path) -> None:
+def test_healthy_output_unchanged_by_the_plugin(vllm_server: Server, vllm_python: Path, tiny_model: Path,
+                                                tmp_path: Path) -> None:
     ensure_engine_plugin(vllm_python, lambda _m: None)
-    spec = ServerSpec(model=tiny_model, port=free_port())
-    with running_server(spec, vllm_python, tmp_path / "stock.log") as stock:
-        want = _completions(stock.url)
+    want = _completions(vllm_server.url)  # the session's stock server: the same spec, no plugin env
     patched_spec = ServerSpec(model=tiny_model, port=free_port(), env={"WEDGE_ENGINE_FIXES": "all"})
     with running_server(patched_spec, vllm_python, tmp_path / "patched.log") as patched:
         got = _completions(patched.url)

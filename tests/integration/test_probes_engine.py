@@ -133,9 +133,9 @@ def test_probe_on_the_engine_deadlock(vllm_python: Path, tmp_path: Path) -> None
                                                                      name="") for p in pids),
                         probes=records)
         evidence = probe_evidence([sample])
-        print("\n".join(e.what for e in evidence))
-        if tid == worker:
-            assert any(e.what.startswith(f"Worker main thread (tid {tid}) parked") for e in evidence)
+        assert tid == worker, (tid, worker)  # the fault parks the Worker's main thread, whose tid is its pid
+        assert any(e.what.startswith(f"Worker main thread (tid {tid}) parked") for e in evidence), \
+            [e.what for e in evidence]
 
         # and through the CLI: diagnose --ebpf on --json carries the per-thread facts
         r = subprocess.run([sys.executable, "-m", "wedgectl", "diagnose", "--pid", str(server.pid), "--json",
@@ -143,7 +143,6 @@ def test_probe_on_the_engine_deadlock(vllm_python: Path, tmp_path: Path) -> None
                            timeout=180, cwd=REPO)
         payload = json.loads(r.stdout)
         d = {x["tid"]: x for x in payload["probes"] if x.get("kind") == "thread"}[tid]
-        print(f"diagnose: {payload['verdict']} ({r.returncode}); {d}")
         # the Worker parked in execute_model with two requests in flight: the engine-deadlock repro's verdict
         deadlock = VerdictKind.ENGINE_DEADLOCK
         assert (payload["verdict"], r.returncode) == (deadlock.value, exitcodes.for_verdict(deadlock)), \

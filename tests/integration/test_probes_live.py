@@ -326,7 +326,8 @@ def test_detach_on_timeout_error_and_ctrl_c(spawn: Callable[..., Target], monkey
         time.sleep(0.1)
     assert run._proc.poll() is not None  # exited by itself
     records, failures = run.stop()
-    assert not failures and abs(_header(records)["window_s"] - 1.0) < 0.05  # the in-kernel timer ended it
+    # the in-kernel timer ended it, at 1 s (it exited by itself above; a late timer on a loaded host reads long)
+    assert not failures and 0.95 <= _header(records)["window_s"] < 1.5, _header(records)
     assert _threads(records)[info["a"]]["wakes_on_addr"] == 0
     # error: a program bpftrace rejects -> /proc fallback with the reason, nothing left behind
     monkeypatch.setattr(ebpf, "bpftrace_program", lambda *a, **k: "BEGIN { @x = ; }\n")

@@ -77,8 +77,8 @@ def test_a_real_server_answers_the_restricted_page_top_scrapes(vllm_server: Serv
         restricted, whole = scraper.metrics(url), Scraper(5.0).metrics(url)
     assert values(restricted.text) == values(whole.text)
     assert values(restricted.text)["generation_tokens"] >= 16
-    # top's source scrapes that way
-    assert LiveSource.connect(pid=vllm_server.pid).scraper.series == JUDGED_SERIES
+    # top's source scrapes that way (through the live session it holds)
+    assert LiveSource.connect(pid=vllm_server.pid).session.scraper.series == JUDGED_SERIES
 
 
 def test_stop_server_tears_the_whole_tree_down(

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -14,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from wedgectl.store.bundle import read_bundle
-from wedgectl.lab.repro import find_config, run_repro
 from wedgectl.model.types import VerdictKind
 
 pytestmark = [
@@ -25,38 +22,12 @@ pytestmark = [
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def wedged_server(vllm_python, tmp_path_factory):
-    """A real admission wedge, kept hung: (pid, url).
-
-    run_repro(keep=True) is called in this process on purpose: the workload's client threads
-    live here and hold the never-admitted request open. `wedgectl repro admission-wedge --keep`
-    in a subprocess does not keep the wedge: its client exits with it, vLLM aborts the request
-    and the server turns idle.
-    """
-    out = tmp_path_factory.mktemp("repro")
-    result = run_repro(find_config("admission-wedge"), python=str(vllm_python), out_dir=out, keep=True)
-    try:
-        assert result.symptom_s is not None, f"the wedge did not happen: {result.notes}"
-        yield result.pid, result.url
-    finally:
-        # The server was started with start_new_session: its process group is its pid, and the
-        # EngineCore, Worker and resource tracker are in it.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(result.pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(result.pid, 0)  # launched from this process: reap it
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and _group_alive(result.pid):
-            time.sleep(0.2)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
+@pytest.fixture
+def wedged_server(admission_wedge):
+    """A real admission wedge, kept hung: (pid, url). The session's (conftest.KeptWedge): `repro
+    admission-wedge --keep`, whose detached holder keeps the never-admitted request open."""
+    assert (admission_wedge.out["verdict"], admission_wedge.rc) == ("admission_wedge", 0), admission_wedge.out["summary"]
+    return admission_wedge.pid, admission_wedge.url
 
 
 class Tmux:

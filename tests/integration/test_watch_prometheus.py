@@ -21,7 +21,7 @@ import pytest
 
 from wedgectl.store.bundle import read_bundle
 from wedgectl.classify import classify
-from wedgectl.collect.control import free_port, stop_tree
+from wedgectl.collect.control import free_port
 from wedgectl.model.types import VerdictKind
 
 pytestmark = pytest.mark.integration
@@ -56,29 +56,11 @@ def kept_clients(url: str) -> list[psutil.Process]:
 
 
 @pytest.fixture
-def kept_wedge(tmp_path: Path, vllm_python: Path) -> Iterator[dict]:
-    """`wedgectl repro admission-wedge --keep`: a wedged server that outlives the command; torn down after."""
-    out = tmp_path / "repro"
-    proc = subprocess.run([sys.executable, "-m", "wedgectl", "repro", "admission-wedge", "--keep", "--json", "-q",
-                           "--python", str(vllm_python), "--out", str(out)],
-                          capture_output=True, text=True, timeout=420)
-    try:
-        result = json.loads(proc.stdout)
-    except ValueError:
-        pytest.fail(f"repro --keep printed no JSON (rc {proc.returncode}): {proc.stderr[-2000:]}")
-    try:
-        assert proc.returncode == 0 and result["verdict"] == "admission_wedge", proc.stderr[-2000:]
-        yield result
-    finally:
-        holders = kept_clients(result["url"])
-        stop_tree(result["pid"], grace=5)
-        for h in holders:  # the kept clients exit once the server is gone; these are ours either way
-            try:
-                h.wait(timeout=5)
-            except psutil.TimeoutExpired:
-                h.kill()
-            except psutil.Error:
-                pass
+def kept_wedge(admission_wedge) -> dict:
+    """The session's `wedgectl repro admission-wedge --keep` (conftest.KeptWedge): a wedged server that
+    outlived the command. This test ends the wedge (step 7), so it runs last of the wedge's users."""
+    assert admission_wedge.rc == 0 and admission_wedge.out["verdict"] == "admission_wedge", admission_wedge.out
+    return admission_wedge.out
 
 
 @pytest.fixture
@@ -129,6 +111,7 @@ def light_load(url: str, stop: threading.Event) -> None:
                 pass
 
 
+@pytest.mark.ends_admission_wedge
 def test_watch_exports_a_wedge_to_prometheus_and_fails_livez(vllm_server, kept_wedge, prometheus, tmp_path):
     wedge_port = int(kept_wedge["url"].rsplit(":", 1)[1])
     healthy_port = int(vllm_server.url.rsplit(":", 1)[1])
@@ -203,8 +186,12 @@ def test_watch_exports_a_wedge_to_prometheus_and_fails_livez(vllm_server, kept_w
             # 6. the healthy control: evaluated all along, never in a hang class, never alerted
             view = targets()[healthy]
             assert view["verdict"] in ("idle", "progressing") and view["live"] and view["episodes"] == []
-            seen = query(f'count_over_time(wedgectl_verdict{{target="{healthy}",verdict="idle"}}[10m])')
-            assert seen and float(seen[0]["value"][1]) >= 5
+            # at least 5 of Prometheus's scrapes carried it (polled: with the wedge already established,
+            # steps 1-5 can take less than 5 scrape intervals)
+            def scraped_5() -> list[dict]:
+                seen = query(f'count_over_time(wedgectl_verdict{{target="{healthy}",verdict="idle"}}[10m])')
+                return seen if seen and float(seen[0]["value"][1]) >= 5 else []
+            wait_for("5 scrapes of the healthy control's verdict", scraped_5, 30)
             assert query(f'max_over_time(wedgectl_verdict{{target="{healthy}",verdict=~"{HANGS}"}}[10m]) > 0') == []
             assert query(f'ALERTS{{target="{healthy}"}}') == []
             assert query(f'wedgectl_episodes_total{{target="{wedge}",verdict="admission_wedge"}}')[0]["value"][1] == "1"

@@ -15,9 +15,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from wedgectl.lab.engine_install import engine_source_hash, engine_version
+from wedgectl.model import exitcodes
 
 pytestmark = pytest.mark.integration
 
@@ -113,12 +115,24 @@ def test_probes_from_the_wheel_say_what_the_checkout_says(installed: Installed) 
     assert "procfs" in text.stdout  # the fallback is always listed, with why the others can or cannot run
 
 
-def test_repro_idle_from_the_wheel(installed: Installed, vllm_python: Path, tmp_path: Path) -> None:
+def test_repro_from_the_wheel_and_exit_41_on_a_verdict_that_does_not_match(installed: Installed, vllm_python: Path,
+                                                                          tmp_path: Path) -> None:
+    """A real repro from the wheel: an idle server whose config expects an admission wedge. The run is whole
+    (the server started, the capture diagnosed it idle, the bundle saved, the server torn down) and its exit is
+    41, the documented code of a verdict that does not match (tests/test_exit_codes.py: the other 41). One
+    server start serves both: the wheel's repro and the live exit 41 (test_exit_codes_live.py's others)."""
     # vllm_python: the managed runtime in the wedgectl cache, which the wheel's wedgectl finds by itself.
+    cfg = tmp_path / "idle-expects-a-wedge.toml"
+    cfg.write_text('name = "idle-expects-a-wedge"\nexpected = "admission_wedge"\n'
+                   'description = "an idle server, whose repro expects an admission wedge"\n\n'
+                   '[symptom]\nuntil = "idle"\ntimeout_s = 30\nsettle_s = 1\n')
     out = tmp_path / "out"
-    r = installed.wedgectl("repro", "idle", "--json", "--quiet", "--out", str(out), timeout=REPRO_TIMEOUT_S)
-    assert r.returncode == 0, r.stderr[-3000:]  # 0: the verdict matches the expected one
+    r = installed.wedgectl("repro", str(cfg), "--json", "--quiet", "--out", str(out), timeout=REPRO_TIMEOUT_S)
+    assert r.returncode == exitcodes.REPRO_FAILED == 41, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and r.stdout.strip(), r.stderr[-3000:]
     result = json.loads(r.stdout)
-    assert result["verdict"] == "idle" and result["expected"] == "idle"
+    assert (result["verdict"], result["expected"]) == ("idle", "admission_wedge"), result["summary"]
     assert isinstance(result["pid"], int) and result["url"].startswith("http://127.0.0.1:")
     assert Path(result["bundle"]) == out / "bundle.tar.gz" and Path(result["bundle"]).is_file()
+    # torn down all the same
+    assert not psutil.pid_exists(result["pid"]) or psutil.Process(result["pid"]).status() == psutil.STATUS_ZOMBIE
