@@ -101,6 +101,32 @@ def test_a_process_in_its_exit_reads_as_exiting(tmp_path: Path) -> None:
     assert not procfs.read_process_stat(4138, tmp_path)[0].exiting
 
 
+def test_a_process_killed_but_not_yet_run_reads_as_exiting(tmp_path: Path) -> None:
+    """SIGKILL pending (bit 9 of SigPnd or ShdPnd) and no PF_EXITING yet: a thread that has not had a CPU
+    since the kill. Seen on a loaded host: a killed deployment's EngineCore in state R, read as an orphan."""
+    from wedgectl.collect.processes import sample_process
+
+    status = Path("/proc/self/status").read_text()  # this kernel's format, the masks set below
+    assert "SigPnd:\t0000000000000000" in status and "ShdPnd:\t0000000000000000" in status
+    (tmp_path / "4138").mkdir()
+    (tmp_path / "4138" / "stat").write_text(STAT_PLAIN.replace(" S 4100 ", " R 4100 "))
+    for field in ("SigPnd", "ShdPnd"):
+        (tmp_path / "4138" / "status").write_text(status.replace(f"{field}:\t0000000000000000", f"{field}:\t0000000000000100"))
+        assert procfs.kill_pending(4138, tmp_path)
+        sample, _ = sample_process(4138, Role.ENGINE_CORE, proc_root=tmp_path, with_threads=False)
+        assert (sample.state, sample.exiting) == ("R", True)
+        # the API server is not read for it: only an engine process's exit decides a verdict
+        sample, _ = sample_process(4138, Role.API_SERVER, proc_root=tmp_path, with_threads=False)
+        assert not sample.exiting
+    # another signal pending (SIGTERM, bit 15) is not a kill
+    (tmp_path / "4138" / "status").write_text(status.replace("SigPnd:\t0000000000000000", "SigPnd:\t0000000000004000"))
+    assert not procfs.kill_pending(4138, tmp_path)
+    sample, _ = sample_process(4138, Role.ENGINE_CORE, proc_root=tmp_path, with_threads=False)
+    assert not sample.exiting
+    (tmp_path / "4138" / "status").write_text("SigPnd:\tnot hex\n")
+    assert not procfs.kill_pending(4138, tmp_path) and not procfs.kill_pending(999999, tmp_path)
+
+
 def test_parse_stat_comm_with_spaces_and_parentheses() -> None:
     st = procfs.parse_stat(STAT_WEIRD)
     assert st.comm == "a) b (c) d"

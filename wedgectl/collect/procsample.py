@@ -153,7 +153,8 @@ def sample_process(
         main_quiet_s=main_sched[0],
         main_runq_s=main_sched[1],
         cpu_limit=procfs.read_cpu_limit(pid, proc_root) if role in STEPPING_ROLES else None,
-        exiting=stat.exiting if stat else False,
+        # in its exit, or killed and yet to run it: either way it has exited as far as a verdict goes
+        exiting=stat is not None and (stat.exiting or (role in STEPPING_ROLES and procfs.kill_pending(pid, proc_root))),
     )
     return sample, tuple(failures)
 

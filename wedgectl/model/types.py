@@ -200,7 +200,8 @@ class ProcessSample:
     main_runq_s: float | None = None
     cpu_limit: CpuLimit | None = None  # its cgroup's CPU limit, read for the same processes; None: no limit (or unread)
     # In its exit (PF_EXITING in its stat flags): killed or returned, being torn down by the kernel,
-    # not yet a zombie; its state reads R, D or S meanwhile (procfs.ProcessStat.exiting).
+    # not yet a zombie; its state reads R, D or S meanwhile (procfs.ProcessStat.exiting). For the
+    # EngineCore and Workers also a SIGKILL pending that no thread has run yet (procfs.kill_pending).
     exiting: bool = False
 
     @property

@@ -40,6 +40,31 @@ def owner_uids(pid: int, proc_root: Path = PROC) -> tuple[int, int] | None:
     return None
 
 
+SIGKILL_BIT = 1 << (9 - 1)  # signal 9 in the SigPnd/ShdPnd masks of /proc/PID/status
+
+
+def kill_pending(pid: int, proc_root: Path = PROC) -> bool:
+    """Whether a SIGKILL waits for the process (its status's SigPnd or ShdPnd): killed, but not yet on a
+    CPU to act on it, so its stat shows no PF_EXITING. The kernel adds SIGKILL to every thread's pending
+    set at once; each thread that runs then exits. Seen: a deployment killed whole on a loaded 2-core
+    host, its EngineCore's main thread in state R, 1 of its 2 threads gone and no PF_EXITING 3 s on.
+    False when gone or unreadable."""
+    try:
+        with open(f"{proc_root}/{pid}/status", "rb") as f:
+            text = f.read(16 << 10)
+    except OSError:
+        return False
+    for line in text.split(b"\n"):
+        if line.startswith((b"SigPnd:", b"ShdPnd:")):
+            fields = line.split()
+            try:
+                if len(fields) == 2 and int(fields[1], 16) & SIGKILL_BIT:
+                    return True
+            except ValueError:
+                return False
+    return False
+
+
 def start_ticks(pid: int, proc_root: Path = PROC) -> int | None:
     """When the process started (clock ticks after boot, /proc/PID/stat field 22); None if gone.
 
