@@ -153,8 +153,7 @@ def sample_process(
         main_quiet_s=main_sched[0],
         main_runq_s=main_sched[1],
         cpu_limit=procfs.read_cpu_limit(pid, proc_root) if role in STEPPING_ROLES else None,
-        # in its exit, or killed and yet to run it: either way it has exited as far as a verdict goes
-        exiting=stat is not None and (stat.exiting or (role in STEPPING_ROLES and procfs.kill_pending(pid, proc_root))),
+        exiting=stat is not None and (stat.exiting or _killed(stat, role, proc_root)),
     )
     return sample, tuple(failures)
 
@@ -164,6 +163,12 @@ def _create_time(proc: psutil.Process) -> float | None:
         return proc.create_time()
     except (psutil.Error, OSError):
         return None
+
+
+def _killed(stat: procfs.ProcessStat, role: Role, proc_root: Path) -> bool:
+    """An engine process killed and yet to run its exit: as good as exited for a verdict. SIGKILL wakes
+    a sleeper, so only a process that reads R or D can hold one pending: its status is read only then."""
+    return role in STEPPING_ROLES and stat.state in ("R", "D") and procfs.kill_pending(stat.pid, proc_root)
 
 
 def sample_roles(roles: dict[int, Role], threads_memo: procfs.ThreadMemo | None = None,

@@ -23,13 +23,20 @@ def fd_links(pid: int, proc_root: Path = PROC) -> list[str]:
     return readlinks(f"{proc_root}/{pid}/fd/")
 
 
+def _status(pid: int, proc_root: Path) -> bytes | None:
+    """/proc/PID/status, its first 16 KiB (it is about 1.5 KiB); None when gone or unreadable."""
+    try:
+        with open(f"{proc_root}/{pid}/status", "rb") as f:
+            return f.read(16 << 10)
+    except OSError:
+        return None
+
+
 def owner_uids(pid: int, proc_root: Path = PROC) -> tuple[int, int] | None:
     """The process's real and effective uid, from its status file (not /proc/PID's owner, which a
     process that makes itself non-dumpable turns to root); None when gone or unreadable."""
-    try:
-        with open(f"{proc_root}/{pid}/status", "rb") as f:
-            text = f.read(16 << 10)
-    except OSError:
+    text = _status(pid, proc_root)
+    if text is None:
         return None
     for line in text.split(b"\n"):
         if line.startswith(b"Uid:"):
@@ -49,12 +56,8 @@ def kill_pending(pid: int, proc_root: Path = PROC) -> bool:
     set at once; each thread that runs then exits. Seen: a deployment killed whole on a loaded 2-core
     host, its EngineCore's main thread in state R, 1 of its 2 threads gone and no PF_EXITING 3 s on.
     False when gone or unreadable."""
-    try:
-        with open(f"{proc_root}/{pid}/status", "rb") as f:
-            text = f.read(16 << 10)
-    except OSError:
-        return False
-    for line in text.split(b"\n"):
+    text = _status(pid, proc_root)
+    for line in (text or b"").split(b"\n"):
         if line.startswith((b"SigPnd:", b"ShdPnd:")):
             fields = line.split()
             try:
