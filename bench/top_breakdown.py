@@ -108,23 +108,6 @@ class Meter:
             self.gc_runs += 1
 
 
-def _tree_cpu(root: int) -> float:
-    """CPU seconds of root and every live descendant (the server's API server, EngineCore, Workers)."""
-    import psutil
-
-    try:
-        procs = [psutil.Process(root)]
-        procs += procs[0].children(recursive=True)
-    except psutil.Error:
-        return 0.0
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-        except psutil.Error:
-            continue
-        total += t.user + t.system
-    return total
 
 
 def _process_cpu() -> tuple[float, float]:
@@ -167,20 +150,22 @@ def main() -> int:
         load.start()
         pid = server.pid
 
+    from watch_overhead import tree_cpu_s  # a sibling script: bench/ is on sys.path when run as bench/top_breakdown.py
+
     window: dict[str, float] = {}
 
     def count() -> None:
         time.sleep(args.warmup)
         window["cpu0"], window["kids0"] = _process_cpu()
         window["load0"] = load.cpu() if load is not None else 0.0
-        window["server0"] = _tree_cpu(pid)
+        window["server0"] = tree_cpu_s(pid)
         window["t0"] = time.monotonic()
         meter.on = True
         time.sleep(args.seconds)
         meter.on = False
         window["cpu1"], window["kids1"] = _process_cpu()
         window["load1"] = load.cpu() if load is not None else 0.0
-        window["server1"] = _tree_cpu(pid)
+        window["server1"] = tree_cpu_s(pid)
         window["t1"] = time.monotonic()
 
     counter = threading.Thread(target=count, daemon=True)
