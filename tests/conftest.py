@@ -119,6 +119,8 @@ class SkipPolicy:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if parallel(config):
+        config.option.loadscopereorder = False  # hand units out in the order collected (see work_unit)
     strict = os.environ.get(STRICT_ENV, "")
     if strict not in ("", "0", "1"):
         raise pytest.UsageError(f"{STRICT_ENV} must be 1 (fail on unlisted skips) or 0, not {strict!r}")
@@ -128,3 +130,35 @@ def pytest_configure(config: pytest.Config) -> None:
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
         config.pluginmanager.register(SkipPolicy(allowed, ALLOW_LIST), "wedgectl-skip-policy")
+
+
+# --- parallel runs ---------------------------------------------------------------------------------------
+# The README's test command runs `pytest -n 2 --dist loadgroup`: two workers, fed one unit of work at a time.
+# A unit is a test module (its module-scoped fixtures, a server say, then start once), or all the tests that
+# share one session fixture that must exist once per run (ONE_PER_RUN). The integration units are handed out
+# first, in the order collected, and the many short unit-test modules after them, so that the last minutes
+# of a run are spent on small work on both workers rather than one long module on one.
+# Serial runs (no -n) keep pytest's own order.
+
+ONE_PER_RUN = ("admission_wedge",)  # tests/integration/conftest.py: the kept admission wedge
+
+
+def work_unit(item: pytest.Item) -> str:
+    """The xdist group an item is run in: a fixture of ONE_PER_RUN, else its module."""
+    names = getattr(item, "fixturenames", ())
+    shared = [name for name in ONE_PER_RUN if name in names]
+    return shared[0] if shared else item.nodeid.split("::", 1)[0]
+
+
+def parallel(config: pytest.Config) -> bool:
+    return config.getoption("dist", "no") != "no" or hasattr(config, "workerinput")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not parallel(config):
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(work_unit(item)))
+    items.sort(key=lambda item: item.get_closest_marker("integration") is None)  # stable: integration first

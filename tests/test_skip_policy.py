@@ -39,6 +39,7 @@ module = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = module
 spec.loader.exec_module(module)
 pytest_configure = module.pytest_configure
+pytest_collection_modifyitems = module.pytest_collection_modifyitems
 """
 
 TESTS_PY = """
@@ -100,6 +101,26 @@ def test_an_unlisted_skip_of_a_whole_module_fails_too(tmp_path: Path) -> None:
     """)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "UNEXPECTED SKIP test_generated.py: could not import 'wedgectl_no_such_module'" in r.stdout
+
+
+def test_a_parallel_run_sees_every_skip_its_workers_saw(tmp_path: Path) -> None:
+    """Under `-n 2` the workers collect: a module skipped whole must still fail the run, once, and the
+    allowed skips still count (the README's test command runs in parallel)."""
+    (tmp_path / "test_allowed.py").write_text(textwrap.dedent(TESTS_PY).replace("def test_unlisted_skip", "def _no"))
+    r = _run(tmp_path, "1", "-n", "2", "--dist", "loadgroup", tests="""
+        import pytest
+        pytest.importorskip("wedgectl_no_such_module")
+
+        def test_never():
+            pass
+    """)
+    assert r.returncode == 1, r.stdout + r.stderr
+    unexpected = [line for line in r.stdout.splitlines() if line.startswith("UNEXPECTED SKIP")]
+    assert len(unexpected) == 1, unexpected  # seen by both workers, listed once
+    assert unexpected[0].startswith("UNEXPECTED SKIP test_generated.py: could not import 'wedgectl_no_such_module'")
+    r = _run(tmp_path, "1", "-n", "2", "--dist", "loadgroup", tests="def test_passes():\n    pass\n")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "WEDGECTL_STRICT_SKIPS=1: 2 skipped, each allowed by" in r.stdout
 
 
 @pytest.mark.parametrize("strict", [None, "", "0"])
