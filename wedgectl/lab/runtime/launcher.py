@@ -15,6 +15,7 @@ from pathlib import Path
 
 from wedgectl.lab.lifecycle import Command, Server, running, start_server as start_command
 from wedgectl.lab.runtime.install import cache_dir
+from wedgectl.lab.runtime.traits import Traits, traits_of
 
 SERVE_SCRIPT = Path(__file__).with_name("_serve.py")
 
@@ -66,8 +67,12 @@ def server_env(
     spec: ServerSpec,
     tmp_dir: Path,
     base: Mapping[str, str] | None = None,
+    traits: Traits | None = None,
 ) -> dict[str, str]:
-    """The server's environment: `base`, offline and CPU defaults, then spec.env."""
+    """The server's environment: `base`, offline and CPU defaults, then spec.env.
+
+    A setting that only some releases accept is set only where `traits` (read from the environment's
+    vLLM source) says this one does; without traits, vLLM's own default stands."""
     env = dict(os.environ if base is None else base)
     defaults = {
         # vLLM writes a torch.compile cache under ~/.cache/vllm otherwise.
@@ -76,12 +81,13 @@ def server_env(
         "TRANSFORMERS_OFFLINE": "1",
         # GiB of KV cache on CPU; the default (4+) is far more than needed.
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        # "auto" pins every server's Worker to the same core (core 0 of 2
-        # here), so two servers on one box starve each other; one unpinned
-        # thread is all the tiny model needs.
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": "1",
     }
+    if traits is not None and traits.omp_nobind:
+        # "auto" pins every server's Worker to the same core (core 0 of 2
+        # here), so two servers on one box starve each other; one unpinned
+        # thread is all the tiny model needs. (0.20.0 fails to start with it.)
+        defaults["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     for key, value in defaults.items():
         env.setdefault(key, value)
     # Log lines must reach the file as they are written: other tools tail it.
@@ -103,7 +109,7 @@ def server_command(
     tmp_dir = Path(tempfile.mkdtemp(prefix="wedgectl-vllm-"))
     return Command(
         argv=(str(python), str(SERVE_SCRIPT), *serve_args(spec)),
-        env=server_env(spec, tmp_dir),
+        env=server_env(spec, tmp_dir, traits=traits_of(python)),
         url=spec.url,
         log_path=Path(log_path),
         tmp_dir=tmp_dir,
