@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 
-from wedge_engine import plugin, status  # noqa: E402
+from wedge_engine import capability, plugin, status  # noqa: E402
 from wedge_engine.fixes import (  # noqa: E402
     FIXES,
     FixConfigError,
@@ -136,11 +136,6 @@ def test_inert_run_imports_no_fix_module(monkeypatch):
     assert not [name for name in FIXES.values() if name in sys.modules]
 
 
-def test_fixes_unknown_version_patch_nothing(fix_loader):
-    assert plugin.apply_fixes_from_environment({"WEDGE_ENGINE_FIXES": "all"}, "0.33.0", load=fix_loader) == ()
-    assert fix_loader.fakes == {}
-
-
 def test_fixes_all_activate_in_order_with_settings(caplog, fix_loader):
     env = {"WEDGE_ENGINE_FIXES": "all", "WEDGE_ENGINE_WATCHDOG_S": "5"}
     with caplog.at_level(logging.DEBUG, logger="vllm.wedge_engine"):
@@ -183,16 +178,16 @@ def test_fix_with_nothing_in_this_role_is_not_reported(fix_loader):
     assert got == ()
 
 
-def test_register_unknown_version_one_warning_no_fix(monkeypatch, caplog):
+def test_register_applies_the_fixes_on_any_version(monkeypatch):
+    """No version gate: a release the plugin never saw gets each fix its vLLM names hold for (the
+    capability gate, tests/test_engine_plugin.py), not nothing."""
     monkeypatch.setattr(plugin, "_registered", False)
     monkeypatch.setattr(plugin, "read_vllm_version", lambda: "0.40.0")
     called = []
-    monkeypatch.setattr(plugin, "apply_fixes_from_environment", lambda *a, **k: called.append(a))
+    monkeypatch.setattr(plugin, "apply_fixes_from_environment", lambda *a, **k: called.append(a[1]))
     monkeypatch.setenv("WEDGE_ENGINE_FIXES", "all")
-    with caplog.at_level(logging.DEBUG, logger="vllm.wedge_engine"):
-        plugin.register()
-    assert called == []
-    assert [r.levelno for r in records(caplog)] == [logging.WARNING]
+    plugin.register()
+    assert called == ["0.40.0"]
 
 
 # --- the status record -------------------------------------------------------------
@@ -713,3 +708,58 @@ def test_capacity_from_the_schedulers_own_managers(fake_vllm):
                                                  manager(SlidingWindowSpec(32), 32))).plain
     config = KVCacheConfig(4, [Group(FullAttentionSpec(32))])
     assert admission.capacity_from(config, context_parallel=2).plain is False
+
+
+def test_before_vllm_0_29_the_guard_uses_what_the_release_has(fake_vllm, monkeypatch):
+    """vLLM 0.19-0.28 has neither is_full_attention_spec nor GracefulHTTPError (docs/vllm-versions.md): the
+    block arithmetic asks FullAttentionSpec, and the client's error is a ValueError, which those releases'
+    AsyncLLM.generate passes through and their server answers 400 with the message; a 5xx is a RuntimeError
+    (vLLM's generic 500)."""
+    from wedge_engine.fixes import _common, admission
+
+    kv = sys.modules["vllm.v1.kv_cache_interface"]
+    monkeypatch.delattr(kv, "is_full_attention_spec")
+    monkeypatch.setattr(kv, "FullAttentionSpec", FullAttentionSpec, raising=False)
+    monkeypatch.delattr(sys.modules["vllm.exceptions"], "GracefulHTTPError")
+    assert capability.problems(admission.REQUIRES) == []
+    assert [str(n) for n in admission.OPTIONAL if capability.check(n)] == [str(_common.HTTP_ERROR)]
+    config = KVCacheConfig(4, [Group(FullAttentionSpec(32))])
+    assert admission.capacity_from(config).block_sizes == (32,)  # plain: the arithmetic, not the fallback
+    assert not admission.capacity_from(KVCacheConfig(4, [Group(SlidingWindowSpec(32))])).plain
+    rejected = _common.http_error_class("AdmissionRejected", 400)("too long")
+    stalled = _common.http_error_class("EngineStalled", 503)("stalled")
+    assert isinstance(rejected, ValueError) and str(rejected) == "too long" and rejected.status_code == 400
+    assert isinstance(stalled, RuntimeError) and not isinstance(stalled, ValueError) and stalled.status_code == 503
+
+
+def test_the_api_server_adopts_the_engines_honest_length(tmp_path, monkeypatch):
+    """vLLM 0.19 passes the engine's max_model_len to its workers only: the API server goes on advertising
+    the larger figure, and a request the pool can never hold is cut short instead of refused. The EngineCore's
+    guard publishes the honest figure in the status record; the API server adopts it once its AsyncLLM is up."""
+    from wedge_engine.fixes import _common, admission
+
+    path = str(tmp_path / "s")
+    status.create(path)
+    monkeypatch.setenv(status.STATUS_FILE_ENV, path)
+    monkeypatch.setattr(_common, "_reader", None)
+    config = types.SimpleNamespace(max_model_len=16384)
+    llm = types.SimpleNamespace(model_config=config, vllm_config=types.SimpleNamespace(model_config=config))
+    assert admission.adopt_honest_len(llm) is None and config.max_model_len == 16384  # nothing published yet
+    status.StatusWriter(path).set_max_model_len(96)
+    assert status.StatusReader(path).max_model_len() == 96
+    assert admission.adopt_honest_len(llm) == 96 and config.max_model_len == 96
+    assert admission.adopt_honest_len(llm) is None  # already honest (vLLM 0.32 passes it on itself)
+
+
+def test_the_engine_publishes_the_length_it_lowered(fake_vllm, tmp_path, monkeypatch):
+    from wedge_engine.fixes import _common, admission
+
+    path = str(tmp_path / "s")
+    status.create(path)
+    monkeypatch.setenv(status.STATUS_FILE_ENV, path)
+    monkeypatch.setattr(_common, "_writer", None)
+    monkeypatch.setattr(_common, "_writer_failed", False)
+    engine = fake_vllm.EngineCore(max_model_len=128)
+    admission._make_advertised_len_honest(engine, engine.vllm_config, engine.kv_cache_config)
+    assert engine.vllm_config.model_config.max_model_len == 96
+    assert status.StatusReader(path).max_model_len() == 96

@@ -16,6 +16,7 @@ import pytest
 ENGINE = Path(__file__).resolve().parent.parent / "engine"
 sys.path.insert(0, str(ENGINE))
 
+from wedge_engine import capability  # noqa: E402
 from wedge_engine.fixes import _common, shutdown  # noqa: E402
 
 
@@ -202,3 +203,35 @@ def test_second_sigterm_exits_at_once():
     finally:
         p.kill()
     assert code == shutdown.HARD_EXIT_CODE and elapsed < 2.0
+
+
+def test_before_no_signal_server_the_plain_uvicorn_server_is_capped(monkeypatch):
+    """vLLM before 0.29 serves a plain uvicorn.Server (vllm/entrypoints/launcher.py's serve_http): the same
+    cap goes on it."""
+    calls = []
+
+    class Server:
+        def __init__(self):
+            self.config = types.SimpleNamespace(timeout_graceful_shutdown=30.0)
+
+        async def shutdown(self, sockets=None):
+            calls.append(self.config.timeout_graceful_shutdown)
+
+    old_launcher = types.ModuleType("vllm.entrypoints.launcher")
+    old_launcher.serve_http = lambda *a, **k: None
+    for name in ("vllm", "vllm.entrypoints"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.launcher", old_launcher)
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.launchers", None)  # no such package: import fails
+    uvicorn = types.ModuleType("uvicorn")
+    uvicorn.Server = Server
+    monkeypatch.setitem(sys.modules, "uvicorn", uvicorn)
+    monkeypatch.setattr(_common, "async_llms", lambda: [])
+    assert capability.check(shutdown.SERVER) is None and capability.check(shutdown.NO_SIGNAL_SERVER) is not None
+    shutdown._state.bound_s = 10.0
+    assert shutdown._patch_server() == ["uvicorn.Server.__init__", "uvicorn.Server.shutdown"]
+    server = Server()
+    assert server in set(shutdown._state.servers)
+    shutdown._state.started = time.monotonic() - 4
+    asyncio.run(server.shutdown())
+    assert 4.5 < calls[0] <= 5.0  # min(30, 10 - 4 - 1)

@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 
 from wedge_engine import plugin  # noqa: E402
+from wedge_engine.capability import Needs, check  # noqa: E402
 from wedge_engine.faults import FAULTS, FaultConfigError  # noqa: E402
 
 KNOWN = "0.32.0"
@@ -20,10 +21,12 @@ KNOWN = "0.32.0"
 class FakeFault:
     """Stands in for a fault module: records activate() calls."""
 
-    def __init__(self, error: Exception | None = None) -> None:
+    def __init__(self, error: Exception | None = None, requires: tuple = ()) -> None:
         self.calls: list[dict] = []
         self.error = error
         self.active = False
+        self.REQUIRES = requires
+        self.OPTIONAL = ()
 
     def activate(self, environ):
         self.calls.append(dict(environ))
@@ -51,41 +54,46 @@ def records(caplog, level=logging.DEBUG):
     return [r for r in caplog.records if r.name.startswith("vllm.wedge_engine") and r.levelno >= level]
 
 
-# --- version check -----------------------------------------------------------
+# --- capability check (no version gate) ---------------------------------------
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu", "0.32.1rc1.dev12+g5559679", "v0.32.2", "0.32"])
-def test_known_versions(version):
-    assert plugin.is_known_version(version)
+def test_no_version_gate_left():
+    for name in ("KNOWN_VLLM_SERIES", "is_known_version", "parse_series"):
+        assert not hasattr(plugin, name)
 
 
-@pytest.mark.parametrize("version", ["0.33.0", "0.31.9", "0.320.0", "1.32.0", "0.3.2", "dev", "", None, "garbage"])
-def test_unknown_versions(version):
-    assert not plugin.is_known_version(version)
-
-
-def test_parse_series():
-    assert plugin.parse_series("0.32.0+cpu") == (0, 32)
-    assert plugin.parse_series("0.24.1rc1") == (0, 24)
-    assert plugin.parse_series("nope") is None
-
-
-def test_unknown_version_warns_once_and_patches_nothing(caplog, loader):
+@pytest.mark.parametrize("version", ["0.33.0", "0.19.1", "dev", None])
+def test_any_version_activates_a_fault_whose_names_hold(caplog, loader, version):
     env = {"WEDGE_ENGINE_FAULT": "model-stall"}
     with caplog.at_level(logging.DEBUG, logger="vllm.wedge_engine"):
-        assert plugin.apply_from_environment(env, "0.33.0", load=loader) is None
-    assert loader.fakes == {}
-    recs = records(caplog)
-    assert len(recs) == 1
-    assert recs[0].levelno == logging.WARNING
-    assert "0.33.0" in recs[0].getMessage() and "0.32.x" in recs[0].getMessage()
+        assert plugin.apply_from_environment(env, version, load=loader) == "model-stall"
+    assert loader.fakes["model-stall"].calls == [env]
+    assert [r.levelno for r in records(caplog)] == [logging.INFO]
 
 
-def test_vllm_not_importable_counts_as_unknown(caplog, loader):
+def test_fault_needing_what_is_missing_errors_once_and_patches_nothing(caplog):
+    needs = Needs("vllm.v1.worker.worker_base", "WorkerWrapperBase.execute_model")
+    fake = FakeFault(requires=(needs, needs))
     with caplog.at_level(logging.DEBUG, logger="vllm.wedge_engine"):
-        assert plugin.apply_from_environment({"WEDGE_ENGINE_FAULT": "model-stall"}, None, load=loader) is None
-    assert loader.fakes == {}
-    assert [r.levelno for r in records(caplog)] == [logging.WARNING]
+        assert plugin.apply_from_environment({"WEDGE_ENGINE_FAULT": "model-stall"}, "0.33.0", load=lambda _n: fake) is None
+    assert fake.calls == []
+    recs = records(caplog)
+    assert len(recs) == 1 and recs[0].levelno == logging.ERROR
+    reason = check(needs)
+    assert reason is not None
+    assert recs[0].getMessage() == f"wedge_engine: fault model-stall cannot run on vLLM 0.33.0: {reason}; patching nothing"
+
+
+def test_vllm_not_importable_fault_patches_nothing(caplog, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
+    fake = FakeFault(requires=(Needs("vllm.v1.worker.worker_base", "WorkerWrapperBase.execute_model"),))
+    with caplog.at_level(logging.DEBUG, logger="vllm.wedge_engine"):
+        assert plugin.apply_from_environment({"WEDGE_ENGINE_FAULT": "model-stall"}, None, load=lambda _n: fake) is None
+    assert fake.calls == []
+    recs = records(caplog)
+    assert [r.levelno for r in recs] == [logging.ERROR]
+    assert recs[0].getMessage() == ("wedge_engine: fault model-stall cannot run on vLLM (not importable): "
+                                    "vllm.v1.worker.worker_base does not import (ModuleNotFoundError); patching nothing")
 
 
 # --- fault selection ---------------------------------------------------------
@@ -165,20 +173,42 @@ def test_failed_activation_is_logged_not_raised(caplog, error, level):
 def test_register_is_idempotent(monkeypatch):
     calls = []
     monkeypatch.setattr(plugin, "_registered", False)
-    monkeypatch.setattr(plugin, "apply_from_environment", lambda env, version: calls.append(version))
+    monkeypatch.setattr(plugin, "apply_from_environment", lambda env, version: calls.append(("fault", version)))
+    monkeypatch.setattr(plugin, "apply_fixes_from_environment", lambda env, version: calls.append(("fixes", version)))
     monkeypatch.setattr(plugin, "read_vllm_version", lambda: KNOWN)
     plugin.register()
     plugin.register()
-    assert calls == [KNOWN]
+    assert calls == [("fault", KNOWN), ("fixes", KNOWN)]
+
+
+def test_register_never_raises_into_vllm(monkeypatch, caplog):
+    def boom(*_a, **_k):
+        raise RuntimeError("a bug of ours")
+
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(plugin, "apply_from_environment", boom)
+    monkeypatch.setattr(plugin, "apply_fixes_from_environment", boom)
+    with caplog.at_level(logging.DEBUG, logger="vllm.wedge_engine"):
+        plugin.register()
+    recs = records(caplog)
+    assert [r.levelno for r in recs] == [logging.ERROR, logging.ERROR]
+    assert "applying the fault failed" in recs[0].getMessage()
+    assert "applying the fixes failed" in recs[1].getMessage()
 
 
 def test_register_without_vllm_patches_nothing(monkeypatch, caplog):
+    from wedge_engine.faults import overhang
+
     monkeypatch.setattr(plugin, "_registered", False)
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
     monkeypatch.setenv("WEDGE_ENGINE_FAULT", "admission-overhang")
+    monkeypatch.delenv("WEDGE_ENGINE_FIXES", raising=False)
     with caplog.at_level(logging.DEBUG, logger="vllm.wedge_engine"):
         plugin.register()
-    assert [r.levelno for r in records(caplog)] == [logging.WARNING]
+    recs = records(caplog)
+    assert [r.levelno for r in recs] == [logging.ERROR]
+    assert "cannot run on vLLM (not importable)" in recs[0].getMessage()
+    assert not overhang.is_active()
     assert plugin.read_vllm_version() is None
 
 

@@ -25,6 +25,8 @@ off   type  field
 60    I     flags: 1 the scheduler is paused, 2 the engine sleeps (was reserved, 0)
 64    Q     admission_rejections (requests the admission guard failed)
 72    Q     tokens: tokens the scheduler has completed (``Scheduler.update_from_output``)
+80    Q     max_model_len the admission guard made honest (0: not lowered); the API server
+            adopts it where its vLLM does not pass the engine's figure on (before 0.2x)
 ====  ====  =====================================================
 
 Engine and worker pids that can dump their stacks on request are listed one
@@ -63,6 +65,7 @@ _ADMISSION_OFF = 64
 _FLAGS = struct.Struct("<I")
 _FLAGS_OFF = 60
 _TOKENS_OFF = 72
+_MAX_LEN_OFF = 80
 PAUSED = 1
 SLEEPING = 2
 
@@ -244,6 +247,10 @@ class StatusWriter:
         self._admission += 1
         _COUNTER.pack_into(self._mm, _ADMISSION_OFF, self._admission)
 
+    def set_max_model_len(self, n: int) -> None:
+        """The context the engine serves to one request, once the admission guard lowered it."""
+        _COUNTER.pack_into(self._mm, _MAX_LEN_OFF, max(0, int(n)))
+
     def close(self) -> None:
         self._mm.close()
 
@@ -272,6 +279,11 @@ class StatusReader:
 
     def _raw(self) -> tuple[tuple, int]:
         return _ALL.unpack_from(self._mm, 0), _COUNTER.unpack_from(self._mm, _TOKENS_OFF)[0]
+
+    def max_model_len(self) -> int | None:
+        """The honest max_model_len the EngineCore's admission guard published; None when it lowered none."""
+        (n,) = _COUNTER.unpack_from(self._mm, _MAX_LEN_OFF)
+        return n or None
 
     def close(self) -> None:
         self._mm.close()

@@ -48,6 +48,7 @@ from typing import Any
 from wedgectl.model import exitcodes
 
 from wedgectl.read import redact
+from wedgectl.read.pluginline import PluginFixes, plugin_fixes
 from wedgectl.collect import procread
 from wedgectl.collect.processes import server_supervisor
 from wedgectl.collect.target import (
@@ -197,6 +198,7 @@ class SwapResult:
     steps: list[str] = field(default_factory=list)
     interrupted: str | None = None  # the signal that cut the swap short ("SIGTERM"), rolled back where it could
     restore_script: str | None = None  # kept only when the original could not be brought back
+    fixes: PluginFixes | None = None  # what the plugin said it turned on in the new server
     t_stop: float | None = field(default=None, repr=False)  # when the old server got SIGTERM
     server: Server | None = field(default=None, repr=False)  # the server started last, while it is ours to stop
 
@@ -211,6 +213,8 @@ class SwapResult:
             "killed": self.killed,
             "rolled_back": self.rolled_back, "log": self.log_path, "steps": self.steps, "plan": self.plan.to_json(),
             "interrupted": self.interrupted, "restore_script": self.restore_script,
+            "fixes": None if self.fixes is None else {"vllm": self.fixes.vllm, "on": list(self.fixes.on),
+                                                      "off": list(self.fixes.off)},
         }
 
 
@@ -491,13 +495,43 @@ def _replace(plan: SwapPlan, result: SwapResult, say: _Say, guard: SignalGuard, 
         result.ok = True
         result.new_pid = new.pid if new else None
         result.downtime_s = round(time.monotonic() - t_stop, 2)
-        result.message = (f"swapped: pid {result.new_pid} serves {plan.url} with the wedge_engine fixes on "
-                          f"(downtime {result.downtime_s:.1f} s)")
+        result.fixes = _fixes_of(result.log_path)
+        result.message = (f"swapped: pid {result.new_pid} serves {plan.url} with the wedge_engine fixes on"
+                          f"{_fixes_text(result.fixes)} (downtime {result.downtime_s:.1f} s)")
         say(result.message)
         return result
     say(f"the patched server did not become healthy: {why}; starting the original command again")
     return _roll_back(plan, result, say, guard, health_timeout_s, restore,
                       f"the patched server did not become healthy ({why})")
+
+
+FIXES_LOG_MAX = 4 << 20  # the tail of the new server's log read for the plugin's lines
+
+
+def _fixes_of(log_path: str | None) -> PluginFixes | None:
+    """What the plugin says it turned on in the new server (each process logs it before /health answers)."""
+    if not log_path:
+        return None
+    try:
+        fd = os.open(log_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        os.lseek(fd, max(0, size - FIXES_LOG_MAX), os.SEEK_SET)
+        text = os.read(fd, FIXES_LOG_MAX).decode("utf-8", "replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return plugin_fixes(text.splitlines())
+
+
+def _fixes_text(fixes: PluginFixes | None) -> str:
+    if fixes is None or not fixes.found:
+        return " (the plugin logged no line about them: see the server's log)"
+    text = f": {', '.join(fixes.on) or 'none'} (vLLM {fixes.vllm})"
+    return text + (f"; off on this vLLM: {', '.join(fixes.off)}" if fixes.off else "")
 
 
 def _start(plan: SwapPlan, env: Mapping[str, str], result: SwapResult, guard: SignalGuard,

@@ -36,6 +36,7 @@ import threading
 from collections.abc import Mapping
 
 from wedge_engine._env import int_at_least
+from wedge_engine.capability import Needs
 from wedge_engine.faults._patch import MethodPatch, ParkAfter, is_fault
 from wedge_engine.faults.stall import after_steps_from
 
@@ -43,6 +44,13 @@ RANK_ENV = "WEDGE_ENGINE_FAULT_RANK"
 DEFAULT_RANK = 1
 
 logger = logging.getLogger("vllm.wedge_engine")
+
+# What it wraps and imports in vLLM (capability.py).
+REQUIRES: tuple[Needs, ...] = (
+    Needs("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._model_forward", None, "held before the forward pass"),
+    Needs("vllm.distributed.parallel_state", "get_tp_group", None, "which TP rank this worker is"),
+)
+OPTIONAL: tuple[Needs, ...] = ()
 
 _patch = MethodPatch()
 # Never set in a real run; tests set it to let a held thread go.

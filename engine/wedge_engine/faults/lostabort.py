@@ -30,9 +30,17 @@ import multiprocessing
 import sys
 from collections.abc import Mapping
 
+from wedge_engine.capability import Needs
 from wedge_engine.faults._patch import MethodPatch, is_fault
 
 logger = logging.getLogger("vllm.wedge_engine")
+
+# What it wraps in vLLM (capability.py).
+REQUIRES: tuple[Needs, ...] = (
+    Needs("vllm.v1.engine.async_llm", "AsyncLLM.abort", ("self", "request_id", "internal"),
+          "drops generate()'s disconnect abort"),
+)
+OPTIONAL: tuple[Needs, ...] = ()
 
 _patch = MethodPatch()
 dropped: list[str] = []  # request ids whose disconnect abort was dropped (tests, and the log line)

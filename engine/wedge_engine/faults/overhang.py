@@ -49,6 +49,21 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+from wedge_engine.capability import Needs
+
+_KCU = "vllm.v1.core.kv_cache_utils"
+# What it rebinds and calls in vLLM (capability.py).
+REQUIRES: tuple[Needs, ...] = (
+    Needs(_KCU, "_auto_fit_max_model_len", ("vllm_config", "projected_groups_per_worker", "available_memory"),
+          "auto-fit counts the null block"),
+    Needs(_KCU, "_check_enough_kv_cache_memory",
+          ("available_memory", "get_needed_memory", "max_model_len", "estimate_max_model_len"),
+          "capacity check counts the null block"),
+    Needs(_KCU, "_pool_bytes_per_block", None, "size of the block given back"),
+    Needs(_KCU, "_max_memory_usage_bytes_from_groups", None, "recognises get_kv_cache_configs' check"),
+)
+OPTIONAL: tuple[Needs, ...] = ()
+
 _MARK = "__wedge_engine_fault__"
 _originals: dict[str, Any] = {}
 

@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from wedge_engine._env import positive_seconds
+from wedge_engine.capability import Needs
 from wedge_engine.faults._patch import MethodPatch, is_fault
 
 HOLD_ENV = "WEDGE_ENGINE_FAULT_HOLD_S"
@@ -53,6 +54,12 @@ DEFAULT_HOLD_S = 90.0
 MAX_PAUSE_S = 1.0
 
 logger = logging.getLogger("vllm.wedge_engine")
+
+# What it wraps in vLLM (capability.py).
+REQUIRES: tuple[Needs, ...] = (
+    Needs("vllm.v1.core.sched.scheduler", "Scheduler.schedule", None, "paces decode steps"),
+)
+OPTIONAL: tuple[Needs, ...] = ()
 
 _patch = MethodPatch()
 

@@ -32,10 +32,18 @@ import functools
 from collections.abc import Mapping
 
 from wedge_engine._env import int_at_least
+from wedge_engine.capability import Needs
 from wedge_engine.faults._patch import MethodPatch, is_fault
 
 SESSIONS_ENV = "WEDGE_ENGINE_FAULT_SESSIONS"
 DEFAULT_SESSIONS = 2
+
+# What it wraps in vLLM (capability.py).
+REQUIRES: tuple[Needs, ...] = (
+    Needs("vllm.v1.core.sched.scheduler", "Scheduler.add_request", ("self", "request"),
+          "marks the first requests resumable"),
+)
+OPTIONAL: tuple[Needs, ...] = ()
 
 _patch = MethodPatch()
 _state = {"left": 0}

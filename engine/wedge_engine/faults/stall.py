@@ -40,12 +40,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from wedge_engine._env import int_at_least
+from wedge_engine.capability import Needs
 from wedge_engine.faults._patch import MethodPatch, ParkAfter, is_fault
 
 AFTER_STEPS_ENV = "WEDGE_ENGINE_FAULT_AFTER_STEPS"
 DEFAULT_AFTER_STEPS = 3
 
 logger = logging.getLogger("vllm.wedge_engine")
+
+# What it wraps in vLLM (capability.py).
+REQUIRES: tuple[Needs, ...] = (
+    Needs("vllm.v1.worker.worker_base", "WorkerWrapperBase.execute_model", ("self", "scheduler_output"),
+          "blocks model execution"),
+)
+OPTIONAL: tuple[Needs, ...] = ()
 
 _patch = MethodPatch()
 # Never set in a real run; tests set it to let a parked thread go.

@@ -34,6 +34,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from wedge_engine.capability import Needs
+
 PHASE_ENV = "WEDGE_ENGINE_FAULT_PHASE"
 PHASES: dict[str, str] = {
     "warm-up": "compile_or_warm_up_model",
@@ -43,6 +45,13 @@ PHASES: dict[str, str] = {
 DEFAULT_PHASE = "warm-up"
 
 logger = logging.getLogger("vllm.wedge_engine")
+
+# What it patches in vLLM (capability.py): the phase methods are set on the class whether or not
+# it defines them (it passes the rest to its worker), so only the class itself is needed.
+REQUIRES: tuple[Needs, ...] = (
+    Needs("vllm.v1.worker.worker_base", "WorkerWrapperBase", None, "start-up calls reach the worker through it"),
+)
+OPTIONAL: tuple[Needs, ...] = ()
 
 _original: dict[str, Any] = {}
 # Never set in a real run; tests set it to let a parked thread go.

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from wedge_engine import status
+from wedge_engine.capability import Needs, holds
 
 logger = logging.getLogger("vllm.wedge_engine")
 
@@ -25,6 +26,19 @@ _lock = threading.Lock()
 
 # Marks an engine-side failure message that the API server turns into an HTTP error.
 ERROR_MARKER = "wedge_engine:"
+
+# The vLLM names the helpers below rely on; a fix that calls one lists its Needs in its REQUIRES.
+STEP_RECORDER = Needs("vllm.v1.engine.core", "EngineCoreProc._process_engine_step", ("self",),
+                      "step recorder (install_step_recorder)")
+ASYNC_LLM_INIT = Needs("vllm.v1.engine.async_llm", "AsyncLLM.__init__", None,
+                       "finds the API server's AsyncLLM (on_async_llm)")
+# Optional: before vLLM 0.29 there is no GracefulHTTPError, and http_error_class falls back to what those
+# releases' AsyncLLM.generate passes through (a ValueError: HTTP 400 with the message) or wraps
+# (anything else: EngineGenerateError, HTTP 500 with vLLM's generic message).
+HTTP_ERROR = Needs("vllm.exceptions", "GracefulHTTPError.__init__", ("self", "message", "http_status"),
+                   "HTTP errors with their own status (else 400 with the message, or a generic 500)")
+ABORT = Needs("vllm.v1.engine.async_llm", "AsyncLLM.abort", ("self", "request_id", "internal"),
+              "aborts failed requests (fail_requests)")
 
 
 def patch_method(owner: Any, name: str, make: Callable[[Any], Any]) -> bool:
@@ -171,15 +185,21 @@ def async_llms() -> list[Any]:
 
 
 def http_error_class(name: str, status_code: int) -> type:
-    """A vLLM GracefulHTTPError subclass: vLLM's handlers answer it with `status_code` and the message as body."""
+    """An exception vLLM's handlers answer with `status_code` and the message as the body: a GracefulHTTPError
+    subclass where the release has it (0.29 on). Before that, a 4xx is a ValueError, which AsyncLLM.generate
+    passes through and the server answers 400 with the message; a 5xx is a RuntimeError, which it wraps in
+    EngineGenerateError and answers 500 (the message stays in the server's log)."""
     from http import HTTPStatus
 
-    from vllm.exceptions import GracefulHTTPError
+    if holds(HTTP_ERROR):
+        from vllm.exceptions import GracefulHTTPError
 
-    def __init__(self, message: str) -> None:
-        GracefulHTTPError.__init__(self, message, HTTPStatus(status_code))
+        def __init__(self, message: str) -> None:
+            GracefulHTTPError.__init__(self, message, HTTPStatus(status_code))
 
-    return type(name, (GracefulHTTPError,), {"__init__": __init__, "__module__": __name__})
+        return type(name, (GracefulHTTPError,), {"__init__": __init__, "__module__": __name__})
+    base = ValueError if status_code < 500 else RuntimeError
+    return type(name, (base,), {"__module__": __name__, "status_code": HTTPStatus(status_code)})
 
 
 def fail_requests(llm: Any, make_error: Callable[[], BaseException], loop: Any = None) -> list[str]:

@@ -40,13 +40,40 @@ with a waiting request, one attribute test per finished output.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from wedge_engine.capability import AnyOf, Need, Needs, check, holds
 from wedge_engine.fixes import _common
 from wedge_engine.fixes._common import ERROR_MARKER, patch_method
 
 logger = logging.getLogger("vllm.wedge_engine")
+
+_SCHED = "vllm.v1.core.sched.scheduler"
+# What it wraps and imports in vLLM (capability.py).
+FULL_ATTENTION = Needs("vllm.v1.kv_cache_interface", "is_full_attention_spec", None, "plain block arithmetic")
+REQUIRES: tuple[Need, ...] = (
+    Needs(_SCHED, "Scheduler.add_request", ("self", "request"), "fails an unadmittable request at admission"),
+    Needs(_SCHED, "Scheduler.schedule", None, "checks the head of the waiting queue"),
+    Needs(_SCHED, "Scheduler.update_from_output", ("self", "scheduler_output", "model_runner_output"),
+          "carries the error to the client"),
+    Needs(_SCHED, "Scheduler.finish_requests", None, "finishes the request with FINISHED_ERROR"),
+    Needs("vllm.v1.request", "RequestStatus.WAITING", None, "which requests the guard checks"),
+    Needs("vllm.v1.request", "RequestStatus.PREEMPTED", None, "which requests the guard checks"),
+    Needs("vllm.v1.request", "RequestStatus.FINISHED_ERROR", None, "the rejected request's status"),
+    Needs("vllm.v1.engine", "EngineCoreOutput", None, "the error output"),
+    Needs("vllm.v1.engine", "EngineCoreOutputs", None, "the error output"),
+    Needs("vllm.v1.engine", "FinishReason.ERROR", None, "the error output"),
+    AnyOf((FULL_ATTENTION, Needs("vllm.v1.kv_cache_interface", "FullAttentionSpec")),
+          "plain block arithmetic (before is_full_attention_spec: an isinstance test)"),
+    Needs("vllm.v1.engine.output_processor", "RequestOutputCollector.put", ("self", "output"),
+          "turns the error into HTTP 400"),
+)
+# The honest max_model_len, a part of its own: without it the scheduler guard still runs.
+HONEST_LEN = Needs("vllm.v1.engine.core", "EngineCore._initialize_kv_caches", ("self", "vllm_config"),
+                   "honest max_model_len once the KV pool is sized")
+OPTIONAL: tuple[Needs, ...] = (HONEST_LEN, _common.HTTP_ERROR)
 
 PREFIX = ERROR_MARKER + "admission:"
 # Consecutive observed refusals before the fallback (non-plain block arithmetic) fails a request:
@@ -99,14 +126,25 @@ class Capacity:
                 f"block; block size {bs}{groups}) = {self.max_tokens()} tokens")
 
 
+def _full_attention_test() -> Callable[[Any], bool]:
+    """vLLM's is_full_attention_spec (0.29 on: it also sees through UniformTypeKVCacheSpecs); before it, an
+    isinstance test of FullAttentionSpec, which is what those releases' own code asks."""
+    if holds(FULL_ATTENTION):
+        from vllm.v1.kv_cache_interface import is_full_attention_spec
+
+        return is_full_attention_spec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return lambda spec: isinstance(spec, FullAttentionSpec)
+
+
 def capacity_from(kv_cache_config: Any, num_blocks: int | None = None, context_parallel: int = 1) -> Capacity:
     """Capacity of a vLLM KVCacheConfig; plain only when every group is full attention.
 
     With context parallelism a scheduler block holds block_size x cp tokens;
     that arithmetic is left to the observing fallback (not plain).
     """
-    from vllm.v1.kv_cache_interface import is_full_attention_spec
-
+    is_full_attention_spec = _full_attention_test()
     groups = [g for g in kv_cache_config.kv_cache_groups if not getattr(g, "host_resident", False)]
     blocks = kv_cache_config.num_blocks if num_blocks is None else num_blocks
     if context_parallel == 1 and groups and all(is_full_attention_spec(g.kv_cache_spec) for g in groups):
@@ -117,8 +155,7 @@ def capacity_from(kv_cache_config: Any, num_blocks: int | None = None, context_p
 def capacity_of_manager(kv_cache_manager: Any) -> Capacity:
     """Capacity from the scheduler's KVCacheManager: its per-group managers' block sizes are the ones it
     allocates by."""
-    from vllm.v1.kv_cache_interface import is_full_attention_spec
-
+    is_full_attention_spec = _full_attention_test()
     blocks = kv_cache_manager.block_pool.num_gpu_blocks
     managers = kv_cache_manager.coordinator.single_type_managers
     if managers and all(is_full_attention_spec(m.kv_cache_spec) for m in managers):
@@ -174,10 +211,34 @@ def _make_advertised_len_honest(engine: Any, vllm_config: Any, kv_cache_config: 
         advertised, cap.describe(), honest,
     )
     vllm_config.model_config.max_model_len = honest
+    writer = _common.status_writer()
+    if writer is not None:  # for an API server whose vLLM does not take the figure from the engine
+        writer.set_max_model_len(honest)
     try:
         engine.collective_rpc("update_max_model_len", args=(honest,))
     except Exception as exc:  # workers keep the larger figure: harmless, the scheduler enforces the smaller
         logger.warning("wedge_engine admission: workers not told the new max_model_len: %s", exc)
+
+
+def adopt_honest_len(llm: Any) -> int | None:
+    """In the API server, once its AsyncLLM is up (the engine has sized its pool by then): advertise the
+    engine's honest max_model_len where this vLLM left the API server with the larger figure. vLLM 0.32 sends
+    the figure in the engine's ready response; 0.19 syncs only its workers, so the server goes on accepting
+    requests the pool can never hold, and they end cut short instead of refused. Returns the figure adopted."""
+    reader = _common.status_reader()
+    honest = reader.max_model_len() if reader is not None else None
+    config = getattr(llm, "model_config", None)
+    current = getattr(config, "max_model_len", None)
+    if honest is None or not isinstance(current, int) or honest >= current:
+        return None
+    config.max_model_len = honest
+    vllm_config = getattr(llm, "vllm_config", None)
+    if vllm_config is not None and getattr(vllm_config, "model_config", None) is not config:
+        vllm_config.model_config.max_model_len = honest
+    logger.warning("wedge_engine admission: the engine serves at most %d tokens to one request; this API "
+                   "server advertised %d and now advertises max_model_len=%d, so longer requests are refused "
+                   "at admission", honest, current, honest)
+    return honest
 
 
 # ------------------------------------------------------------------ the scheduler guard
@@ -392,11 +453,13 @@ def activate(settings: Any, role: str) -> str | None:
     done = []
     if role in ("api", "engine"):
         _common.ensure_status_file(role)
-        if settings.honest_max_model_len and _patch_initialize_kv_caches():
+        if settings.honest_max_model_len and check(HONEST_LEN) is None and _patch_initialize_kv_caches():
             done.append("EngineCore._initialize_kv_caches")
         if _patch_scheduler():
             done.append("Scheduler.add_request/schedule/update_from_output")
     if role == "api":
+        if settings.honest_max_model_len:
+            _common.on_async_llm(adopt_honest_len)
         if _patch_output_collector():
             done.append("RequestOutputCollector.put")
         from wedge_engine.fixes import heartbeat

@@ -31,9 +31,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from wedge_engine.capability import Needs
 from wedge_engine.fixes import _common
 
 logger = logging.getLogger("vllm.wedge_engine")
+
+# What it wraps in vLLM (capability.py); the /metrics side is prometheus_client's, not vLLM's.
+REQUIRES: tuple[Needs, ...] = (_common.STEP_RECORDER,)
+OPTIONAL: tuple[Needs, ...] = ()
 
 _active: set[str] = set()
 _collector: Any = None

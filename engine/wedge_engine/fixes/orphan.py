@@ -27,7 +27,13 @@ import signal
 import threading
 from collections.abc import Callable
 
+from wedge_engine.capability import Needs
+
 logger = logging.getLogger("vllm.wedge_engine")
+
+# Nothing of vLLM: a thread that watches os.getppid().
+REQUIRES: tuple[Needs, ...] = ()
+OPTIONAL: tuple[Needs, ...] = ()
 
 POLL_S = 1.0
 GRACE_S = 5.0

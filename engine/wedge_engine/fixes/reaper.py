@@ -28,9 +28,19 @@ import logging
 from typing import Any
 
 from wedge_engine.fixes import _common
+from wedge_engine.capability import Needs
 from wedge_engine.fixes._common import patch_method
 
 logger = logging.getLogger("vllm.wedge_engine")
+
+# What it wraps and calls in vLLM (capability.py). generate's parameters are checked because
+# request_id_of reads the request id as its third positional argument.
+REQUIRES: tuple[Needs, ...] = (
+    Needs("vllm.v1.engine.async_llm", "AsyncLLM.generate", ("self", "prompt", "sampling_params", "request_id"),
+          "sees a request's generator end"),
+    Needs("vllm.v1.engine.async_llm", "AsyncLLM.abort", ("self", "request_id"), "aborts the leaked request"),
+)
+OPTIONAL: tuple[Needs, ...] = ()
 
 COUNTER_NAME = "wedge_engine:reaped_requests"
 

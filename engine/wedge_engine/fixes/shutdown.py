@@ -45,9 +45,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wedge_engine.fixes import _common
+from wedge_engine.capability import AnyOf, Need, Needs, holds
 from wedge_engine.fixes._common import patch_method
 
 logger = logging.getLogger("vllm.wedge_engine")
+
+_LAUNCHER = "vllm.entrypoints.launchers.launcher"
+# What it wraps in vLLM (capability.py); the signal hooks are uvloop's and asyncio's, not vLLM's
+# (uvloop is optional: without it only asyncio's loop is hooked).
+# The uvicorn server vLLM runs: its own NoSignalServer (0.29 on; __init__ and shutdown come from
+# uvicorn.Server up to 0.31), or before it a plain uvicorn.Server made by serve_http in
+# vllm/entrypoints/launcher.py, whose signal handlers go through loop.add_signal_handler as well.
+NO_SIGNAL_SERVER = Needs(_LAUNCHER, "NoSignalServer", None, "the uvicorn server vLLM runs (0.29 on)")
+SERVER = AnyOf((NO_SIGNAL_SERVER, Needs("vllm.entrypoints.launcher", "serve_http", None,
+                                        "serves a plain uvicorn.Server (before 0.29)")),
+               "tracks the uvicorn server and caps its graceful wait")
+REQUIRES: tuple[Need, ...] = (
+    SERVER,
+    _common.ASYNC_LLM_INIT,
+    _common.ABORT,
+)
+OPTIONAL: tuple[Needs, ...] = (_common.HTTP_ERROR,)
 
 CLOSE_EVERY_S = 0.5
 HARD_EXIT_CODE = 1
@@ -215,8 +233,19 @@ def _patch_loops() -> list[str]:
     return done
 
 
+def _server_class() -> tuple[type, str]:
+    """The server class to patch and its name for the log line."""
+    if holds(NO_SIGNAL_SERVER):
+        from vllm.entrypoints.launchers.launcher import NoSignalServer
+
+        return NoSignalServer, "NoSignalServer"
+    import uvicorn
+
+    return uvicorn.Server, "uvicorn.Server"
+
+
 def _patch_server() -> list[str]:
-    from vllm.entrypoints.launchers.launcher import NoSignalServer
+    server, label = _server_class()
 
     def make_init(original):
         def __init__(self, *args, **kwargs):
@@ -238,10 +267,10 @@ def _patch_server() -> list[str]:
         return shutdown
 
     done = []
-    if patch_method(NoSignalServer, "__init__", make_init):
-        done.append("NoSignalServer.__init__")
-    if patch_method(NoSignalServer, "shutdown", make_shutdown):
-        done.append("NoSignalServer.shutdown")
+    if patch_method(server, "__init__", make_init):
+        done.append(f"{label}.__init__")
+    if patch_method(server, "shutdown", make_shutdown):
+        done.append(f"{label}.shutdown")
     return done
 
 

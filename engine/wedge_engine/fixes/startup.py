@@ -27,9 +27,16 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from wedge_engine.capability import Needs
 from wedge_engine.fixes._common import patch_method
 
 logger = logging.getLogger("vllm.wedge_engine")
+
+# What it wraps in vLLM (capability.py).
+REQUIRES: tuple[Needs, ...] = (
+    Needs("vllm.v1.engine.utils", "wait_for_engine_startup", None, "the API server's wait for READY, bounded"),
+)
+OPTIONAL: tuple[Needs, ...] = ()
 
 _active: set[str] = set()
 

@@ -69,9 +69,39 @@ from typing import Any
 
 from wedge_engine import status
 from wedge_engine.fixes import _common
+from wedge_engine.capability import Needs
 from wedge_engine.fixes._common import patch_method
 
 logger = logging.getLogger("vllm.wedge_engine")
+
+_SCHED = "vllm.v1.core.sched.scheduler"
+_CORE = "vllm.v1.engine.core"
+_ASYNC = "vllm.v1.engine.async_llm"
+# What it wraps and imports in vLLM (capability.py).
+REQUIRES: tuple[Needs, ...] = (
+    _common.STEP_RECORDER,
+    Needs(_SCHED, "Scheduler.update_from_output", ("self", "scheduler_output", "model_runner_output"),
+          "counts completed tokens"),
+    Needs(_CORE, "EngineCore", None, "pause and sleep recorders' class"),
+    Needs(_ASYNC, "AsyncLLM.add_request", None, "the event loop; refuses while tripped"),
+    Needs(_ASYNC, "AsyncLLM.check_health", ("self",), "/health 503 while tripped"),
+    _common.ASYNC_LLM_INIT,
+    Needs("vllm.v1.engine.output_processor", "OutputProcessor.get_num_unfinished_requests", ("self",),
+          "requests in flight"),
+    Needs("vllm.v1.engine.exceptions", "EngineDeadError", None, "what check_health raises"),
+    _common.ABORT,
+)
+# Patched where present (hasattr): without them a paused or sleeping engine may trip it.
+OPTIONAL: tuple[Needs, ...] = (
+    _common.HTTP_ERROR,
+    Needs(_SCHED, "Scheduler.set_pause_state", ("self", "pause_state"), "engine pause flag"),
+    Needs(_CORE, "EngineCore.sleep", ("self", "level"), "engine sleep flag"),
+    Needs(_CORE, "EngineCore.wake_up", None, "engine sleep flag"),
+    Needs(_ASYNC, "AsyncLLM.pause_generation", None, "API server's own pause"),
+    Needs(_ASYNC, "AsyncLLM.resume_generation", None, "API server's own pause"),
+    Needs(_ASYNC, "AsyncLLM.sleep", None, "API server's own sleep"),
+    Needs(_ASYNC, "AsyncLLM.wake_up", None, "API server's own sleep"),
+)
 
 DUMP_SIGNAL = signal.SIGUSR2
 
