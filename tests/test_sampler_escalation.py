@@ -279,6 +279,35 @@ def test_a_window_whose_scrapes_are_thin_runs_on_up_to_twice_its_length():
     assert not thin_scrapes(Facts(dead))
 
 
+def test_a_window_whose_first_answer_came_late_runs_on_from_that_answer():
+    """The leaked-capacity repro at load ~12: wedgectl was off a CPU for 10 s after its first /proc reading,
+    so its three scrapes answered 10.0-11.1 s into an 11.2 s capture, 1.05 s apart: thin. Counted from the
+    window's start it was over, and the verdict named a starved queue; counted from the first answer, it
+    runs on, up to MAX_FACTOR times the window whatever happens. The recorded capture, with its sample
+    times moved as that run's were."""
+    from wedgectl.capture.policy import EXTEND_FACTOR, MAX_FACTOR, thin_scrapes
+
+    b = load("leaked-capacity")
+    t0, m0 = b.samples[0].t, b.samples[0].metrics.t
+    moved = tuple(replace(smp, t=t0 + (0.0, 10.49, 11.18)[i], metrics=replace(smp.metrics, t=m0 + 10.0 + (0.0, 0.57, 1.05)[i]))
+                  for i, smp in enumerate(b.samples[:3]))
+    stalled = replace(b, samples=moved)
+    f = Facts(stalled)
+    elapsed = moved[-1].t - moved[0].t
+    answered = moved[-1].t - f.scrapes[0][0]
+    assert elapsed > 10 and answered < 2 and thin_scrapes(f)
+    v = classify(stalled)
+    assert v.verdict is not VerdictKind.LEAKED_CAPACITY  # what stopping there said
+    opts = SamplerOptions(window_s=6.0)
+    assert next_step(v, 3, elapsed, opts, True, True, thin=True).why == "window over"  # from the start: over
+    step = next_step(v, 3, elapsed, opts, True, True, thin=True, answered_s=answered)
+    assert not step.stop and step.why.startswith("window extended")
+    late = opts.window_s * MAX_FACTOR - 0.2
+    assert next_step(v, 40, late, opts, True, True, thin=True, answered_s=1.0).why == "window over"  # bounded
+    assert next_step(v, 9, 20.0, opts, True, True, thin=True,
+                     answered_s=opts.window_s * EXTEND_FACTOR).why == "window over"
+
+
 def test_saturated_server_slow_first_scrape_still_progressing():
     """A saturated API server: the first scrape timed out, the next two moved. Two answered scrapes a
     second apart with the counter rising are enough; the failed one costs no certainty."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from wedgectl.capture.options import SamplerOptions
 from wedgectl.classify import Facts
-from wedgectl.classify.facts import MIN_FROZEN_S
+from wedgectl.classify.facts import MIN_FROZEN_S, STEPPING_QUIET_S
 from wedgectl.classify.series import stepless_of
 from wedgectl.model.types import ProcessSample, Verdict, VerdictKind
 
@@ -35,9 +35,9 @@ class Step:
     why: str = ""
 
 
-EXTEND_FACTOR = 2.0  # a window whose scrapes are thin runs on to this many times its length
+EXTEND_FACTOR = 2.0  # a window whose scrapes are thin runs on to this many times its length, from its first answer
+MAX_FACTOR = 4.0  # and never past this many times its length from its start, whatever held the answers back
 SUSPECT_STEPLESS_S = 1.0  # one sample whose engine has taken no step this long with work in flight
-STEPPING_QUIET_S = 0.5  # an engine whose main threads have all been on a CPU this recently is stepping
 
 
 def starved_live(verdict: Verdict) -> bool:
@@ -88,7 +88,8 @@ def thin_scrapes(f: Facts) -> bool:
 
 
 def next_step(verdict: Verdict, n_samples: int, elapsed_s: float, options: SamplerOptions,
-              burst_taken: bool, probes_started: bool, suspect: bool = False, thin: bool = False) -> Step:
+              burst_taken: bool, probes_started: bool, suspect: bool = False, thin: bool = False,
+              answered_s: float | None = None) -> Step:
     """The escalation, as a pure function of the verdict so far.
 
     Cheapest decisive evidence first: two scrapes a second apart, /proc and one dump per
@@ -100,8 +101,11 @@ def next_step(verdict: Verdict, n_samples: int, elapsed_s: float, options: Sampl
     (MIN_FROZEN_S) keep a slow step, a long prefill or a saturated server from being called
     stuck on a short window. A first sample that is hang_shaped (`suspect`) buys the burst for the
     second sample at once. A window that ends with `thin` scrapes (thin_scrapes) runs on, up to
-    EXTEND_FACTOR times its length: a rate from one scrape is no evidence, and a verdict drawn
-    without one (a leak, a starved queue) may name the wrong class."""
+    EXTEND_FACTOR times its length counted from the first scrape that answered (`answered_s` ago;
+    default: the window's start), and never past MAX_FACTOR times its length: a rate from one scrape
+    is no evidence, and a verdict drawn without one (a leak, a starved queue) may name the wrong
+    class. Seen on a host at load ~12: wedgectl held off a CPU for 10 s after its first /proc
+    reading, its three scrapes then 1 s apart, a leak read as a starved queue."""
     if n_samples < 2:  # one scrape says nothing about movement
         if suspect and options.stacks:
             return Step(False, burst=options.stack_burst, why="hang-shaped first sample: stack burst")
@@ -110,7 +114,9 @@ def next_step(verdict: Verdict, n_samples: int, elapsed_s: float, options: Sampl
     if certain and elapsed_s >= options.min_window_s:
         return Step(True, why="verdict certain")
     if elapsed_s + options.interval_s > options.window_s:
-        if thin and elapsed_s + options.interval_s <= options.window_s * EXTEND_FACTOR:
+        since = elapsed_s if answered_s is None else min(elapsed_s, answered_s)
+        if (thin and since + options.interval_s <= options.window_s * EXTEND_FACTOR
+                and elapsed_s + options.interval_s <= options.window_s * MAX_FACTOR):
             return Step(False, why="window extended: too few scrapes answered to measure a rate")
         return Step(True, why="window over")
     if not options.stacks or certain or stacks_cannot_help(verdict):

@@ -164,8 +164,9 @@ class Window:
             self.say(f"sample {len(self.samples)} at {elapsed:4.1f}s: {summarise(self.judged[-1])} -> "
                      f"{verdict.verdict.value} ({verdict.confidence:.2f})")
         suspect = first and hang_shaped(facts)
+        answered = sample.t - facts.scrapes[0][0] if facts.scrapes else None
         step = next_step(verdict, len(self.samples), elapsed, self.options, self.burst_taken, self.probes.started,
-                         suspect, thin_scrapes(facts))
+                         suspect, thin_scrapes(facts), answered)
         if not step.stop and first and not self.pending and quick_look(facts, suspect, self.options):
             self.after_quick, self.due = self.due, time.monotonic() + QUICK_LOOK_S
             self.say(f"quick look in {QUICK_LOOK_S:.1f}s: counters that move by then decide it")

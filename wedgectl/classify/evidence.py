@@ -156,6 +156,10 @@ def engine_cpu_evidence(f: Facts) -> Evidence | None:
     state = "spinning" if cores >= SPINNING_CORES else "parked" if cores <= PARKED_CORES else "busy"
     if state == "parked" and f.engine_waits_for_cpu:
         state = "runnable, given no CPU"
+    elif state != "spinning" and f.engine_stepping:
+        quiet = f.stepless_s or 0.0
+        state = (f"stepping all the same: its main thread ran {quiet * 1000:.0f} ms before the last reading "
+                 "and within 0.5 s of every one (a step that schedules nothing sleeps 1 ms)")
     split = f"EngineCore {core or 0:.2f}" + (f" + Workers {workers:.2f}" if workers is not None else "")
     return Evidence(
         source="proc",

@@ -18,6 +18,9 @@ from wedgectl.classify.series import Series, main_runq, most_grown, stepless_of
 # Thresholds, with the reason for each.
 SPINNING_CORES = 0.5  # engine (EngineCore + Workers) in a wedge: ~1.2 cores here; a parked one ~0
 PARKED_CORES = 0.2  # a blocked engine sleeps in zmq poll: measured 0.01 cores
+# A busy loop that steps keeps its main thread on a CPU every few ms (vLLM sleeps 1 ms after a step that
+# scheduled nothing); a blocked one has not run since it blocked. Generous for a loaded host's run queue.
+STEPPING_QUIET_S = 0.5
 MIN_FROZEN_S = 2.0  # ~2 ms per token here: a live engine moves the counter many times in 2 s
 CERTAIN_FROZEN_S = 10.0  # frozen this long with work in flight is past any sane step time
 SHORT_SPAN_S = 0.8  # two scrapes about a second apart: a window that other evidence may extend or decide
@@ -305,6 +308,17 @@ class Facts:
         return any(p.state == "R" or any(t.state == "R" for t in p.threads)
                    for p in self.last_processes
                    if p.cpu_limit is not None and p.role in (Role.ENGINE_CORE, Role.WORKER))
+
+    @cached_property
+    def engine_stepping(self) -> bool:
+        """The engine's busy loop kept stepping however little CPU it burnt: at every reading (two at
+        least) the main threads had run within STEPPING_QUIET_S (Facts.stepless_s), and the EngineCore
+        is not inside the model. vLLM from 0.19 to 0.28 runs the model in the EngineCore process on one
+        rank and sleeps 1 ms after each step that scheduled nothing, so an admission wedge there burns
+        ~0.2 cores, which reads as parked by CPU alone (seen on 0.19.1: 0.20 cores, main thread quiet
+        for at most 4 ms at each of 4 readings); a blocked engine's quiet grows with the window."""
+        quiet = [q for q in (stepless_of(s.processes) for s in self.samples if s.processes) if q is not None]
+        return len(quiet) >= 2 and max(quiet) <= STEPPING_QUIET_S and self.engine_where != stk.IN_MODEL
 
     @cached_property
     def engine_parked(self) -> bool:

@@ -140,13 +140,13 @@ def live_admission_wedge(f: Facts) -> bool:
     stale gauges (parked, no heartbeat) is left to the deadlock rule."""
     if f.waiting < 1 or f.running > 0 or not (f.tokens_frozen or wedge_refused_for_capacity(f)):
         return False
-    return not (f.engine_parked and not f.heartbeat_spinning)
+    return not (f.engine_parked and not f.heartbeat_spinning and not f.engine_stepping)
 
 
 def _admission_wedge_verdict(f: Facts) -> Verdict:
     m = f.last_metrics
     assert m is not None
-    spinning = f.engine_spinning or f.heartbeat_spinning
+    spinning = f.engine_spinning or f.heartbeat_spinning or f.engine_stepping
     if not spinning:
         confidence = C.WEDGE_METRICS_ONLY
     elif f.heartbeat_spinning or f.tokens_frozen_s >= CERTAIN_FROZEN_S:
@@ -155,11 +155,15 @@ def _admission_wedge_verdict(f: Facts) -> Verdict:
         confidence = C.WEDGE_REFUSED_EMPTY_POOL
     else:
         confidence = C.WEDGE_SPINNING
+    by_reason = m.waiting_capacity is not None or m.waiting_deferred is not None
     ev = [
         metrics_evidence(f, f"{f.waiting:.0f} waiting" + reason_text(m, f.api_server)
                          + f", 0 running, KV cache {((m.kv_usage or 0) * 100):.1f}% used"),
         counter_evidence(f),
     ]
+    if not by_reason:  # vLLM before 0.20 publishes no reason: capacity is what is left once nothing runs
+        ev.append(Evidence("metrics", "no vllm:num_requests_waiting_by_reason on this server (vLLM before 0.20): "
+                                      "the reason is inferred from 0 running and a frozen counter"))
     ev += present(engine_cpu_evidence(f), heartbeat_evidence(f))
     ev += profile_evidence(f) or list(present(engine_stack_evidence(f)))
     ev += f.probe_evidence
@@ -174,8 +178,11 @@ def _admission_wedge_verdict(f: Facts) -> Verdict:
         advice.append(_METRICS_ONLY_ADVICE.format("confirm the EngineCore is spinning"))
     return Verdict(
         VerdictKind.ADMISSION_WEDGE, confidence,
-        f"{f.waiting:.0f} request(s) waiting (reason: {reason}) that the scheduler never admits; nothing runs, "
-        f"tokens frozen {fmt_duration(f.tokens_frozen_s)}" + (", engine spinning." if spinning else "."),
+        f"{f.waiting:.0f} request(s) waiting (reason: {reason}{'' if by_reason else ', inferred'}) that the "
+        "scheduler never admits; nothing runs, "
+        f"tokens frozen {fmt_duration(f.tokens_frozen_s)}"
+        + ((", engine spinning." if f.engine_spinning or f.heartbeat_spinning else ", engine stepping.")
+           if spinning else "."),
         "live_admission_wedge", tuple(ev), tuple(advice),
         {"frozen_s": round(f.tokens_frozen_s, 2), "engine_cores": f.engine_cores, "waiting": f.waiting,
          "worker_model_share": f.worker_model_share, "kv_usage_pct": round((m.kv_usage or 0) * 100, 2),
@@ -244,7 +251,7 @@ def live_engine_deadlock(f: Facts) -> bool:
     deferred = (f.last_metrics.waiting_deferred or 0) if f.last_metrics is not None else 0
     if f.running + f.waiting - deferred < 1 or not f.tokens_frozen:
         return False
-    asleep = f.engine_parked or f.heartbeat_frozen
+    asleep = (f.engine_parked and not f.engine_stepping) or f.heartbeat_frozen
     if f.running < 1 and not asleep:
         return False
     return not (f.engine_spinning and not f.heartbeat_frozen and f.engine_where != stk.IN_MODEL)

@@ -1,0 +1,69 @@
+"""The live rules on evidence recorded from older vLLM releases (tests/fixtures/bundles/vVERSION/, made by
+`python tests/fixtures/bundles/record.py --vllm VERSION NAME ...` on that release's managed runtime).
+
+What differs there and matters for a verdict (docs/vllm-versions.md): vLLM 0.19 runs the model inside the
+EngineCore process on one rank (no Worker process), publishes no vllm:num_requests_waiting_by_reason, and
+stock 0.19.1 over-advertises its context (16384 tokens on a 4-block pool), so its admission wedge needs no
+fault. Its wedged busy loop sleeps 1 ms after every empty step: ~0.2 cores, which CPU alone reads as parked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from wedgectl.classify import Facts, classify
+from wedgectl.model.types import VerdictKind
+from wedgectl.store.bundle import read_bundle
+
+BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
+EXPECTED = {
+    "idle": VerdictKind.IDLE,
+    "admission-wedge": VerdictKind.ADMISSION_WEDGE,
+    "engine-deadlock": VerdictKind.ENGINE_DEADLOCK,
+    "shutdown-hang": VerdictKind.SHUTDOWN_HANG,
+}
+RECORDED = sorted((p.parent.name, p.name.removesuffix(".tar.gz")) for p in BUNDLES.glob("v*/*.tar.gz"))
+
+
+def test_each_recorded_release_has_every_class():
+    releases = {v for v, _ in RECORDED}
+    assert "v0.19.1" in releases
+    for release in releases:
+        assert {n for v, n in RECORDED if v == release} == set(EXPECTED), release
+
+
+@pytest.mark.parametrize("release, name", RECORDED)
+def test_recorded_bundle_of_an_older_release_gives_the_expected_verdict(release, name):
+    b = read_bundle(BUNDLES / release / f"{name}.tar.gz")
+    v = classify(b)
+    assert v.verdict is EXPECTED[name], v.summary
+    assert b.verdict is not None and b.verdict.verdict is v.verdict  # same answer as at capture
+    assert (BUNDLES / release / f"{name}.log").read_text().count(f"(v{release[1:]})") >= 1  # it is that release
+
+
+def test_a_0_19_wedge_steps_at_a_fifth_of_a_core():
+    b = read_bundle(BUNDLES / "v0.19.1" / "admission-wedge.tar.gz")
+    f = Facts(b)
+    assert f.engine_parked and f.engine_stepping  # ~0.2 cores, yet its main thread never rests
+    v = classify(b)
+    assert "inferred" in v.summary  # no waiting_by_reason before 0.20: said, not hidden
+    assert any("num_requests_waiting_by_reason" in e.what for e in v.evidence)
+    assert any("stepping all the same" in e.what for e in v.evidence)
+
+
+def test_without_the_main_threads_quiet_the_0_19_wedge_reads_as_a_deadlock():
+    """What the verdict leans on: take the main thread's quiet away and the 0.19 wedge is the parked
+    engine it looks like by CPU alone."""
+    b = read_bundle(BUNDLES / "v0.19.1" / "admission-wedge.tar.gz")
+    bare = replace(b, samples=tuple(replace(s, processes=tuple(replace(p, main_quiet_s=None) for p in s.processes))
+                                    for s in b.samples))
+    assert not Facts(bare).engine_stepping
+    assert classify(bare).verdict is VerdictKind.ENGINE_DEADLOCK
+
+
+def test_a_0_19_deadlock_is_not_stepping():
+    f = Facts(read_bundle(BUNDLES / "v0.19.1" / "engine-deadlock.tar.gz"))
+    assert f.engine_parked and not f.engine_stepping
