@@ -66,13 +66,20 @@ if ((${#missing[@]})); then
   fi
 fi
 
-# The managed vLLM runtime (~3.4 GB, minutes the first time): up front, so no test pays for it
-# inside its timeout. `runtime path` answers at once when it is already installed.
+# The managed vLLM runtimes (the default 0.32.0, ~3.4 GB, and 0.19.1, seed 002's series, ~7 GB with the
+# standard torch build it needs; minutes each the first time): up front, so no test pays for them inside its
+# timeout. `runtime path` answers at once when one is already installed.
+OLDER_VLLM=0.19.1  # tests/integration/test_versions_live.py
 if [[ -n ${WEDGECTL_VLLM_PYTHON:-} || -n ${WEDGECTL_NO_INSTALL:-} ]]; then
   :  # the tests use that vLLM environment, or skip the vLLM tests: nothing to install
 elif [[ ! -x $PYTHON ]]; then
   echo "tests/setup.sh: no $PYTHON; skipped: the vLLM runtime (pip install -e '.[test]' first)"
-elif ! "$PYTHON" -m wedgectl runtime path >/dev/null 2>&1; then
-  "$PYTHON" -m wedgectl runtime install || exit 1
+else
+  if ! "$PYTHON" -m wedgectl runtime path >/dev/null 2>&1; then
+    "$PYTHON" -m wedgectl runtime install || exit 1
+  fi
+  if ! "$PYTHON" -m wedgectl runtime path --vllm "$OLDER_VLLM" >/dev/null 2>&1; then
+    "$PYTHON" -m wedgectl runtime install --vllm "$OLDER_VLLM" || exit 1
+  fi
 fi
 exit 0
