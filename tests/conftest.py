@@ -136,8 +136,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # The README's test command runs `pytest -n 2 --dist loadgroup`: two workers, fed one unit of work at a time.
 # A unit is a test module (its module-scoped fixtures, a server say, then start once), or all the tests that
 # share one session fixture that must exist once per run (ONE_PER_RUN). The integration units are handed out
-# first, in the order collected, and the many short unit-test modules after them, so that the last minutes
-# of a run are spent on small work on both workers rather than one long module on one.
+# first, the largest first, and the many short unit-test modules after them, so that the last minutes of a
+# run are spent on small work on both workers rather than one long module on one.
 # Serial runs (no -n) keep pytest's own order.
 
 ONE_PER_RUN = ("admission_wedge",)  # tests/integration/conftest.py: the kept admission wedge
@@ -158,7 +158,35 @@ def parallel(config: pytest.Config) -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not parallel(config):
         return
+    cost: dict[str, int] = {}
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(work_unit(item)))
-    items.sort(key=lambda item: item.get_closest_marker("integration") is None)  # stable: integration first
+        unit = group_of(item)
+        cost[unit] = cost.get(unit, 0) + weight(item)
+    first = {unit: n for n, unit in enumerate(dict.fromkeys(group_of(i) for i in items))}
+
+    def order(item: pytest.Item) -> tuple[bool, int, int]:
+        # Integration units first, the costliest first (the longest unit, started last, would leave one
+        # worker idle at the end); then the unit tests as collected.
+        unit = group_of(item)
+        integration = item.get_closest_marker("integration") is not None
+        return (not integration, -cost[unit] if integration else 0, first[unit])
+
+    items.sort(key=order)  # stable: a unit's own order (the kept wedge's last user last) holds
+
+
+# A test that drives a real vLLM server costs tens of seconds (a start is 20-40 s on 2 cores); most others,
+# a fraction of one. Only the order of the work depends on it.
+SERVER_FIXTURES = ("vllm_python", "tiny_model", "vllm_server", "admission_wedge", "older_python")
+SERVER_TEST_COST = 30
+
+
+def weight(item: pytest.Item) -> int:
+    names = getattr(item, "fixturenames", ())
+    return SERVER_TEST_COST if any(n in names for n in SERVER_FIXTURES) else 1
+
+
+def group_of(item: pytest.Item) -> str:
+    mark = item.get_closest_marker("xdist_group")
+    return str(mark.args[0]) if mark is not None and mark.args else work_unit(item)

@@ -59,7 +59,7 @@ REQUIRES: tuple[Needs, ...] = (
     Needs(_KCU, "_check_enough_kv_cache_memory",
           ("available_memory", "get_needed_memory", "max_model_len", "estimate_max_model_len"),
           "capacity check counts the null block"),
-    Needs(_KCU, "_pool_bytes_per_block", None, "size of the block given back"),
+    Needs(_KCU, "_pool_bytes_per_block", ("vllm_config", "kv_cache_groups"), "size of the block given back"),
     Needs(_KCU, "_max_memory_usage_bytes_from_groups", None, "recognises get_kv_cache_configs' check"),
 )
 OPTIONAL: tuple[Needs, ...] = ()
