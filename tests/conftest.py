@@ -121,6 +121,8 @@ class SkipPolicy:
 def pytest_configure(config: pytest.Config) -> None:
     if parallel(config):
         config.option.loadscopereorder = False  # hand units out in the order collected (see work_unit)
+    if config.getoption("dist", "no") == "loadgroup" and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(GroupingCheck(), "wedgectl-grouping-check")
     strict = os.environ.get(STRICT_ENV, "")
     if strict not in ("", "0", "1"):
         raise pytest.UsageError(f"{STRICT_ENV} must be 1 (fail on unlisted skips) or 0, not {strict!r}")
@@ -152,6 +154,21 @@ def work_unit(item: pytest.Item) -> str:
 
 def parallel(config: pytest.Config) -> bool:
     return config.getoption("dist", "no") != "no" or hasattr(config, "workerinput")
+
+
+class GroupingCheck:
+    """Under `--dist loadgroup`: stop the run if xdist's grouping did not take.
+
+    xdist groups a test by suffixing the node id a worker reports with `@group`; a pytest whose node id
+    ignores that suffix (9.2, with xdist 3.8) would split every module across the workers, each starting
+    its own copy of the module's vLLM server, and say nothing."""
+
+    def pytest_xdist_node_collection_finished(self, node: object, ids: list[str]) -> None:
+        lost = [nodeid for nodeid in ids if "@" not in nodeid]
+        if lost:
+            pytest.exit(f"pytest-xdist did not group {len(lost)} of {len(ids)} tests (first: {lost[0]}): "
+                        f"this pytest and pytest-xdist do not work together; install the versions "
+                        f"pyproject.toml names", returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
