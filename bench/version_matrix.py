@@ -1,7 +1,7 @@
 """Every repro on every installed vLLM release: is the verdict right, and with --patched, is the hang gone?
 
     python bench/version_matrix.py [--vllm 0.19.1,0.32.0] [--repros admission-wedge,engine-deadlock]
-                                   [--patched] [--json] [--out DIR]
+                                   [--patched] [--jobs N] [--json] [--out DIR]
 
 For each managed runtime (`wedgectl runtime list`; `wedgectl runtime install --vllm V` adds one) and each
 repro (`wedgectl repro --list`), runs `wedgectl repro NAME --vllm V --json` and prints a table of releases x
@@ -17,6 +17,7 @@ date and the command.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import os
@@ -83,6 +84,8 @@ def main() -> int:
     ap.add_argument("--repros", help="comma list of repros (default: all but the TP ones)")
     ap.add_argument("--patched", action="store_true", help="also run each hang with the fixes on")
     ap.add_argument("--json", action="store_true", help="one JSON object per cell, then a summary object")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="cells run at once (default 1); each starts its own server, so more load the host more")
     ap.add_argument("--out", type=Path, help="where bundles and logs stay (default: a new temporary folder)")
     args = ap.parse_args()
     versions = args.vllm.split(",") if args.vllm else [r.vllm for r in installed_runtimes()]
@@ -94,26 +97,33 @@ def main() -> int:
               file=sys.stderr)
         return 2
     out = args.out or Path(tempfile.mkdtemp(prefix="wedgectl-matrix-"))
-    rows = []
-    for v in versions:
-        for n in names:
-            print(f"version_matrix: {v} {n} ...", file=sys.stderr, flush=True)
-            row = cell(v, n, configs[n].expected, args.patched, out)
-            rows.append(row)
-            if args.json:
-                print(json.dumps(row), flush=True)
+    todo = [(v, n) for v in versions for n in names]
+
+    def one(job: tuple[str, str]) -> dict:
+        v, n = job
+        print(f"version_matrix: {v} {n} ...", file=sys.stderr, flush=True)
+        row = cell(v, n, configs[n].expected, args.patched, out)
+        print(f"version_matrix: {v} {n}: {row['verdict']} {'ok' if row['right'] else 'WRONG'}"
+              + (f", patched {'gone' if row['patched_passed'] else 'HANGS'}" if "patched_passed" in row else ""),
+              file=sys.stderr, flush=True)
+        if args.json:
+            print(json.dumps(row), flush=True)
+        return row
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        rows = list(pool.map(one, todo))
     right = sum(r["right"] for r in rows)
     gone = [r for r in rows if "patched_passed" in r]
     summary = {"date": datetime.date.today().isoformat(), "command": " ".join(["python", *sys.argv]),
                "cells": len(rows), "right": right, "patched": len(gone), "gone": sum(r["patched_passed"] for r in gone),
-               "load": os.getloadavg()[0], "out": str(out)}
+               "load": os.getloadavg()[0], "jobs": args.jobs, "out": str(out)}
     if args.json:
         print(json.dumps(summary))
     else:
         print("\n".join(table(rows, versions, names, args.patched)))
         print(f"{right}/{len(rows)} verdicts right" + (f", {summary['gone']}/{len(gone)} hangs gone with the fixes"
                                                           if gone else "")
-              + f"; {summary['date']}, load {summary['load']:.1f}; bundles under {out}")
+              + f"; {summary['date']}, {args.jobs} at a time, load {summary['load']:.1f}; bundles under {out}")
     return 0 if right == len(rows) and all(r["patched_passed"] for r in gone) else 1
 
 

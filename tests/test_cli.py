@@ -51,7 +51,7 @@ def test_bundle_round_trip_through_the_cli(tmp_path):
         (["--log", str(LOGS / "empty.log")], exitcodes.UNREADABLE_INPUT, "empty"),
         (["--log", str(LOGS / "binary.bin")], exitcodes.UNREADABLE_INPUT, "binary"),
         (["--log", str(LOGS)], exitcodes.UNREADABLE_INPUT, "directory"),
-        (["--log", str(LOGS / "garbage.log")], exitcodes.NO_VLLM_LINES, "no vLLM log lines"),
+        (["--log", str(LOGS / "garbage.log")], exitcodes.NO_VLLM_LINES, "not a vLLM log"),
         (["--bundle", str(LOGS / "seed000_starved.log")], exitcodes.BAD_BUNDLE, "bundle"),
         (["--bundle", "/nonexistent/b.tar.gz"], exitcodes.NO_SUCH_FILE, "no such file"),
         (["--pid", "999999999"], exitcodes.NO_SUCH_PROCESS, "no such process"),

@@ -365,6 +365,17 @@ def test_iso_stamps_share_the_epoch_and_set_the_year():
     assert log.n_recognised == 3
 
 
+def test_a_leading_stamp_gives_the_year_vllm_s_own_lacks():
+    # `kubectl logs --timestamps` of a log begun in 2031: vLLM's stamps alone would be read in 2000
+    log = parse_log([
+        "2031-12-31T23:59:58.000000001Z INFO 12-31 23:59:58 [x.py:1] one",
+        "2032-01-01T00:00:03.5Z (APIServer pid=3) INFO 01-01 00:00:03 [x.py:1] five seconds later, a new year",
+    ])
+    assert log.first_t == secs(12, 31, 23, 59, 58, year=2031)
+    assert log.last_t == secs(1, 1, 0, 0, 3, year=2032)
+    assert log.n_vllm == 2
+
+
 def test_parse_stamp_and_format_stamp_are_inverse():
     assert parse_stamp("02-29 12:00:00") == secs(2, 29, 12, 0, 0)
     assert parse_stamp("2026-01-02 03:04:05") == secs(1, 2, 3, 4, 5, year=2026)

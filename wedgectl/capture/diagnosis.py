@@ -51,6 +51,10 @@ def source_problem(pid: int | None, url: str | None, log: Path | None, bundle: P
         return "give one of --pid, --url, --log or --bundle"
     if bundle is not None and (pid is not None or url is not None or log is not None):
         return "--bundle re-classifies saved evidence; it takes no other source"
+    from wedgectl.store.sources import is_stdin
+
+    if log is not None and is_stdin(log) and (pid is not None or url is not None):
+        return "--log - reads a log piped in, alone; with --pid or --url give the log's path (it is read again)"
     return None
 
 

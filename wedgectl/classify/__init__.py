@@ -12,11 +12,12 @@ come first.
 from __future__ import annotations
 
 from wedgectl.classify import confidence as C
-from wedgectl.classify.evidence import engine_cpu_evidence, engine_stack_evidence, metrics_evidence, present
-from wedgectl.classify.facts import MIN_FROZEN_S, Facts, unix_to_logtime
+from wedgectl.classify.evidence import (engine_cpu_evidence, engine_stack_evidence, fmt_duration, metrics_evidence,
+                                        present)
+from wedgectl.classify.facts import MIN_FROZEN_S, STATS_INTERVAL_S, Facts, unix_to_logtime
 from wedgectl.classify.series import Series, slope_per_s
 from wedgectl.classify.live import LIVE_RULES
-from wedgectl.classify.log import LOG_RULES
+from wedgectl.classify.log import LOG_RULES, stop_seen_s, too_short_to_tell
 from wedgectl.classify.rule import Rule
 from wedgectl.model.types import Bundle, Evidence, Verdict, VerdictKind
 
@@ -70,17 +71,29 @@ def _inconclusive(f: Facts) -> Verdict:
         if f.scrapes:
             ev.append(metrics_evidence(f, f"{f.running:.0f} running, {f.waiting:.0f} waiting"))
         ev += present(engine_cpu_evidence(f), engine_stack_evidence(f))
+    summary = "The evidence does not decide between the hang classes."
     if f.log is not None:
+        span = (f.log.last_t - f.log.first_t) if f.log.first_t is not None and f.log.last_t is not None else None
         ev.append(Evidence("log",
-                           f"{f.log.n_lines} lines, {len(f.stats)} stats lines, {len(f.log.access)} access lines"))
+                           f"{f.log.n_lines} lines, {len(f.stats)} stats lines, {len(f.log.access)} access lines, "
+                           + (f"covering {fmt_duration(span)}" if span is not None else "with no stamps to time them"),
+                           values={"span_s": None if span is None else round(span, 1)}))
+        seen = stop_seen_s(f)
+        if too_short_to_tell(f) and seen is not None and f.last_stats is not None:
+            s = f.last_stats
+            ev.append(Evidence("log", f"the last stats line: {s.running} running at 0 tokens/s, and the log shows "
+                               f"that for {fmt_duration(seen)}: less than one stats interval "
+                               f"({STATS_INTERVAL_S:.0f} s), too short to tell a stop from a pause",
+                               values={"line": s.lineno, "seen_s": round(seen, 1)}))
+            summary = (f"{s.running} request(s) ran with no tokens for only {fmt_duration(seen)} in this log: "
+                       "too short to tell a hang from a pause.")
         if not f.stats:
             ev.append(Evidence("log",
                                "no stats lines: vLLM logs them only while tokens flow, so idle and stuck look alike"))
         advice.append("Capture the live process: `wedgectl diagnose --pid PID --save-bundle hang.tar.gz`.")
     if not advice:
         advice.append("Capture more: `wedgectl diagnose --pid PID --window 15`.")
-    return Verdict(VerdictKind.INCONCLUSIVE, C.INCONCLUSIVE, "The evidence does not decide between the hang classes.",
-                   "inconclusive", tuple(ev), tuple(advice))
+    return Verdict(VerdictKind.INCONCLUSIVE, C.INCONCLUSIVE, summary, "inconclusive", tuple(ev), tuple(advice))
 
 
 __all__ = ["Facts", "Rule", "Series", "classify", "classify_facts", "LIVE_RULES", "LOG_RULES", "slope_per_s",

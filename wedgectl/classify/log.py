@@ -99,10 +99,35 @@ def log_engine_deadlock(f: Facts) -> bool:
         return False
     if f.is_live and (f.engine_queued or f.engine_throttled) and f.engine_parked:
         return False
+    if too_short_to_tell(f):
+        return False
     silence = f.log_silence_s or 0
     stopped = _deadlock_silent(f) and (s.gen_tps == 0 or silence >= LOG_SILENCE_S)
     zero_interval = s.gen_tps == 0 and s.prompt_tps == 0 and len(f.stats) >= 2
     return stopped or zero_interval
+
+
+def stop_seen_s(f: Facts) -> float | None:
+    """How long a log shows requests running with no tokens: the interval the last stats line covers when it
+    printed 0 tokens/s (since the line before it), and the silence after it. None: no clock spans it."""
+    s = f.last_stats
+    if s is None or s.t is None:
+        return None
+    seen = f.log_silence_s
+    if s.gen_tps == 0 and s.prompt_tps == 0 and len(f.stats) >= 2 and f.stats[-2].t is not None:
+        covered = s.t - f.stats[-2].t
+        seen = covered + (seen or 0.0) if covered > 0 else seen
+    return seen
+
+
+def too_short_to_tell(f: Facts) -> bool:
+    """A log alone that shows running requests stopped for less than one stats interval (10 s), by its own clock,
+    and no worker that stopped answering: too short to tell a stop from a pause (a five-second log of a server
+    between two tokens looks the same). A live capture times the stop itself."""
+    if f.is_live or f.shm_warnings:
+        return False
+    seen = stop_seen_s(f)
+    return seen is not None and seen < STATS_INTERVAL_S and f.scrapes_after_last_stats < 6
 
 
 def _engine_deadlock_verdict(f: Facts) -> Verdict:
@@ -115,7 +140,8 @@ def _engine_deadlock_verdict(f: Facts) -> Verdict:
         what += f"; silent ~{fmt_duration(silence)}"
     ev = [
         stats_evidence(s, "the last stats line: requests running, generation at %.1f tokens/s" % s.gen_tps),
-        Evidence("log", what + f" while {n_after} GET /metrics were answered 200",
+        Evidence("log", what + (f" while {n_after} GET /metrics were answered 200" if n_after
+                                 else "; no GET /metrics answered after it in the log"),
                  values={"scrapes_after": n_after, "scrape_period_s": f.scrape_period_s,
                          "silent_s": facts.get("engine_silent_s")}),
     ]
@@ -134,7 +160,7 @@ def _engine_deadlock_verdict(f: Facts) -> Verdict:
         VerdictKind.ENGINE_DEADLOCK, confidence,
         f"The engine stopped with {s.running} request(s) running"
         + (f" and has been silent ~{fmt_duration(silence)}" if silence is not None else "")
-        + " while /metrics kept answering.",
+        + (" while /metrics kept answering." if n_after else "."),
         "log_engine_deadlock", tuple(ev),
         ("While it hangs, run `wedgectl diagnose --pid PID`: EngineCore CPU and stacks confirm where it is parked.",
          "Restart the server; /health stays 200 in this state, so liveness probes will not."),
@@ -181,7 +207,8 @@ def _admission_wedge_verdict(f: Facts) -> Verdict:
     reason = "deferred" if (s.deferred or 0) >= 1 else "capacity"
     deferred = f", {s.deferred} deferred holding slots" if reason == "deferred" else ""
     ev = [stats_evidence(s, f"the last stats line: 0 running, {s.waiting} waiting{deferred}, KV {s.kv_usage_pct:.1f}%"),
-          Evidence("log", f"no stats line since, while {n_after} GET /metrics were answered 200"
+          Evidence("log", "no stats line since"
+                   + (f", while {n_after} GET /metrics were answered 200" if n_after else "")
                    + (f" (~{fmt_duration(silence)})" if silence is not None else ""),
                    values={"scrapes_after": n_after, "silent_s": silence})]
     if len(held) >= 2:

@@ -129,6 +129,9 @@ class ParsedLog:
     n_recognised: int  # lines that gave a record or carry vLLM's log header
     first_t: float | None  # first and last stamps read from the lines themselves
     last_t: float | None
+    # Lines vLLM's own logger wrote (logstamp.Header.vllm_own). None: the file is not a vLLM log, whatever
+    # words it holds (prose naming EngineDeadError, a script's string literals, another server's log).
+    n_vllm: int = 0
 
     @property
     def metrics_scrapes(self) -> tuple[AccessLine, ...]:
@@ -421,7 +424,7 @@ def parse_log(lines: Iterable[str]) -> ParsedLog:
     failures: list[FailureLine] = []
     startup: list[StartupFact] = []
     clock = Clock()
-    n_lines = n_recognised = 0
+    n_lines = n_recognised = n_vllm = 0
     first_t: float | None = None
     last_t: float | None = None
     for lineno, raw in enumerate(lines, start=1):
@@ -430,6 +433,7 @@ def parse_log(lines: Iterable[str]) -> ParsedLog:
         if not line:
             continue
         head = split_header(line)
+        n_vllm += head.vllm_own
         own_t = clock.read(head.stamp_parts) if head.stamp_parts else None
         if own_t is not None:
             first_t = own_t if first_t is None else first_t
@@ -487,4 +491,5 @@ def parse_log(lines: Iterable[str]) -> ParsedLog:
         n_recognised=n_recognised,
         first_t=first_t,
         last_t=last_t,
+        n_vllm=n_vllm,
     )

@@ -21,10 +21,12 @@ _STAMP_BODY = (
     r"(?P<H>\d{2}):(?P<M>\d{2}):(?P<S>\d{2})(?P<frac>[.,]\d{1,9})?"
 )
 _STAMP = re.compile(_STAMP_BODY)
-# docker --timestamps, journald exports and the like put an ISO stamp first.
+# `kubectl logs --timestamps`, `docker logs -t` and `journalctl -o short-iso` put an ISO stamp first (with a
+# year, and a zone, which vLLM's own stamp lacks); journald then names the host and "ident[pid]:".
 _LEAD_ISO = re.compile(
     r"\[?(?P<Y>\d{4})-(?P<mo>\d{2})-(?P<d>\d{2})[ T](?P<H>\d{2}):(?P<M>\d{2}):(?P<S>\d{2})"
     r"(?P<frac>[.,]\d{1,9})?(?:Z|[+-]\d{2}:?\d{2})?\]?\s+"
+    r"(?:\S{1,255}\s+[^\s\[\]:]{1,255}\[\d{1,10}\]:\s+)?"
 )
 # "(APIServer pid=851)", "(EngineCore_DP0 pid=9)", "(VllmWorker rank=0 pid=12)"
 _PROC = re.compile(r"\((?P<proc>[A-Za-z][\w.\-]*)\s+(?:[^()]*?\s)?pid=(?P<pid>\d{1,10})[^()]*\)\s*")
@@ -45,11 +47,15 @@ class Header:
     stamp_parts: dict | None = None
     msg: str = ""
     vllm_like: bool = False
+    # vLLM's own logger wrote it: "(APIServer pid=N)", or "LEVEL [MM-DD HH:MM:SS] [file.py:N]" (seed 003's
+    # build logs no stamp)
+    vllm_own: bool = False
 
 
 def split_header(line: str) -> Header:
-    """A line's prefix taken apart: a leading ISO stamp (docker, journald), the process tag, the level,
-    the level's own stamp and the [file:line] source, in that order; the rest is the message."""
+    """A line's prefix taken apart: a leading ISO stamp (kubectl, docker, journald), the process tag, the level,
+    the level's own stamp and the [file:line] source, in that order; the rest is the message. A line is timed by
+    its own stamp (the clock that wrote the rest of the log), in the year its leading stamp names."""
     h = Header()
     s = line.lstrip()
     lead = False
@@ -68,13 +74,18 @@ def split_header(line: str) -> Header:
         if not level.group("colon"):
             m = _LEVEL_STAMP.match(s)
             if m:
-                h.stamp, h.stamp_parts, own_stamp = m.group(0).strip(), m.groupdict(), True
+                own_stamp = True
+                parts = m.groupdict()
+                if lead and not parts.get("Y") and h.stamp_parts:
+                    parts["Y"] = h.stamp_parts["Y"]  # the leading stamp has the year vLLM's own lacks
+                h.stamp, h.stamp_parts = m.group(0).strip(), parts
                 s = s[m.end():]
         m = _SRC.match(s)
         if m:
             src = True
             s = s[m.end():]
     h.msg = s
+    h.vllm_own = proc is not None or (level is not None and src)
     h.vllm_like = proc is not None or (
         level is not None and (own_stamp or src or lead or bool(level.group("colon")))
     )

@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
+import gzip
 import os
+import select
 import socket
 import stat
+import sys
 import time
+import zlib
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
 from wedgectl import __version__
 from wedgectl.model.errors import InputNotFound, NoVllmLines, UnreadableInput
 from wedgectl.read.logparse import parse_log
+from wedgectl.read.logwrap import unwrap
 from wedgectl.model.types import Bundle, Manifest, Target
 
 MAX_LOG_BYTES = 64 << 20  # the tail is what matters for a hang; a bigger log is read from its end
+# A rotated log (vllm.log.1.gz) is unpacked to its end, for its tail; never past this many bytes (a gzip
+# bomb unpacks a thousand times its size).
+MAX_UNPACKED_BYTES = 1 << 30
+STDIN = ("-", "/dev/stdin")  # `--log -`: `kubectl logs POD | wedgectl diagnose --log -`
+# stdin is read to its end. A pipe that stays open (`kubectl logs -f`, `tail -f`) has no end: it is read
+# until nothing came for STDIN_IDLE_S once lines began, or for STDIN_WAIT_S at all.
+STDIN_IDLE_S = 5.0
+STDIN_WAIT_S = 60.0
+_CHUNK = 1 << 20
 
 _NOT_REGULAR = {
     stat.S_IFDIR: "a directory",
@@ -89,11 +103,109 @@ def read_log_lines(path: str | Path | LogSource, max_bytes: int = MAX_LOG_BYTES)
     if not isinstance(path, (str, Path)):
         with path.open() as fh:  # UnreadableInput says why not
             return _read_tail(fh, Path(path.path), max_bytes)
+    if is_stdin(path):
+        return read_stdin_lines(max_bytes)
     p = Path(path)
     if stat.S_ISDIR(stat_input(p).st_mode):
         raise UnreadableInput(f"{p}: is a directory, not a log file (use --bundle for a bundle directory)")
     with open_regular(p) as fh:
+        try:
+            gzipped = fh.read(2) == b"\x1f\x8b"
+            fh.seek(0)
+        except OSError as exc:
+            raise _os_error(p, exc) from None
+        if gzipped:
+            return _read_gzip(fh, p, max_bytes)
         return _read_tail(fh, p, max_bytes)
+
+
+def is_stdin(path: str | Path) -> bool:
+    return str(path) in STDIN
+
+
+def read_stdin_lines(max_bytes: int = MAX_LOG_BYTES, stream: BinaryIO | None = None,
+                     idle_s: float = STDIN_IDLE_S, wait_s: float = STDIN_WAIT_S) -> tuple[tuple[str, ...], list[str]]:
+    """A log piped to stdin: its last max_bytes, read to the pipe's end, or until it went quiet (a follow)."""
+    fh = stream if stream is not None else sys.stdin.buffer
+    name = Path("stdin")
+    try:
+        fd = fh.fileno()
+        if os.isatty(fd):
+            raise UnreadableInput("stdin is a terminal: pipe a log in (kubectl logs POD | wedgectl diagnose --log -)")
+    except (OSError, ValueError):
+        raise UnreadableInput("stdin is closed: pipe a log in (kubectl logs POD | wedgectl diagnose --log -)") from None
+    notes: list[str] = []
+    tail = _Tail(max_bytes)
+    start = last = time.monotonic()
+    while True:
+        now = time.monotonic()
+        limit = (last + idle_s) if tail.total else (start + wait_s)
+        if now >= limit:
+            waited = idle_s if tail.total else wait_s
+            notes.append(f"stdin still open after {waited:.0f} s with nothing new: read what had come "
+                         f"(a follow, like `kubectl logs -f`, has no end)")
+            break
+        try:
+            ready, _, _ = select.select([fd], [], [], limit - now)
+        except (OSError, ValueError) as exc:
+            raise UnreadableInput(f"stdin: {exc}") from None
+        if not ready:
+            continue
+        try:
+            chunk = os.read(fd, _CHUNK)
+        except BlockingIOError:
+            continue
+        except OSError as exc:
+            raise UnreadableInput(f"stdin: {exc.strerror or exc}") from None
+        if not chunk:
+            break
+        tail.add(chunk)
+        last = time.monotonic()
+    if tail.total > max_bytes:
+        notes.append(f"stdin gave {tail.total} bytes; read its last {max_bytes}")
+    return _lines_of(tail.data(), name, notes), notes
+
+
+class _Tail:
+    """The last `keep` bytes of a stream, starting at a line, in memory bounded by about twice that."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep, self.total, self.buf = keep, 0, bytearray()
+
+    def add(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        self.buf += chunk
+        if len(self.buf) > 2 * self.keep:
+            del self.buf[: len(self.buf) - self.keep]
+
+    def data(self) -> bytes:
+        if len(self.buf) <= self.keep and self.total <= self.keep:
+            return bytes(self.buf)
+        data = bytes(self.buf[-self.keep:])
+        cut = data.find(b"\n")
+        return data[cut + 1:] if cut >= 0 else data  # drop the partial first line
+
+
+def _read_gzip(fh: BinaryIO, p: Path, max_bytes: int) -> tuple[tuple[str, ...], list[str]]:
+    """A gzipped log (logrotate's vllm.log.1.gz): unpacked to its end for the tail, never past MAX_UNPACKED_BYTES."""
+    notes: list[str] = []
+    tail = _Tail(max_bytes)
+    try:
+        with gzip.GzipFile(fileobj=fh, mode="rb") as gz:
+            while tail.total < MAX_UNPACKED_BYTES:
+                chunk = gz.read(min(_CHUNK, MAX_UNPACKED_BYTES - tail.total))
+                if not chunk:
+                    break
+                tail.add(chunk)
+            else:
+                notes.append(f"gzip log unpacks past {MAX_UNPACKED_BYTES} bytes: read up to there only")
+    except (OSError, EOFError, zlib.error) as exc:
+        if not tail.total:
+            raise UnreadableInput(f"{p}: a damaged gzip file ({exc})") from None
+        notes.append(f"gzip log damaged after {tail.total} bytes unpacked ({exc}): read up to there")
+    notes.append(f"gzip log: {tail.total} bytes unpacked" + (f"; read the last {max_bytes}" if tail.total > max_bytes
+                                                                 else ""))
+    return _lines_of(tail.data(), p, notes), notes
 
 
 def _read_tail(fh: BinaryIO, p: Path, max_bytes: int) -> tuple[tuple[str, ...], list[str]]:
@@ -107,13 +219,20 @@ def _read_tail(fh: BinaryIO, p: Path, max_bytes: int) -> tuple[tuple[str, ...], 
         data = fh.read(max_bytes)  # bounded even when the log grows while we read
     except OSError as exc:
         raise _os_error(p, exc) from None
+    return _lines_of(data, p, notes), notes
+
+
+def _lines_of(data: bytes, p: Path, notes: list[str]) -> tuple[str, ...]:
     if not data.strip():
         raise UnreadableInput(f"{p}: the file is empty")
     head = data[:8192]
     if b"\x00" in head or _mostly_binary(head):
         raise UnreadableInput(f"{p}: looks binary, not a text log")
     text = data.decode("utf-8", errors="replace")
-    return tuple(text.splitlines()), notes
+    lines, kind = unwrap(text.splitlines())
+    if kind is not None:
+        notes.append(f"a {kind} log: read the lines inside, timed by its stamps")
+    return tuple(lines)
 
 
 def _mostly_binary(chunk: bytes) -> bool:
@@ -150,8 +269,9 @@ def bundle_from_log(path: str | Path) -> Bundle:
     """A log-only bundle; NoVllmLines when nothing in it is a vLLM line."""
     lines, notes = read_log_lines(path)
     parsed = parse_log(lines)
-    if parsed.n_recognised == 0:
-        raise NoVllmLines(f"{path}: no vLLM log lines found ({parsed.n_lines} lines read)")
+    if parsed.n_recognised == 0 or parsed.n_vllm == 0:
+        raise NoVllmLines(f"{path}: not a vLLM log: none of its {parsed.n_lines} lines is in vLLM's own format "
+                          f"('INFO MM-DD HH:MM:SS [file.py:N] ...' or '(APIServer pid=N) ...')")
     manifest = Manifest(
         created=time.time(),
         wedgectl_version=__version__,
