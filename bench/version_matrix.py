@@ -6,7 +6,8 @@
 For each managed runtime (`wedgectl runtime list`; `wedgectl runtime install --vllm V` adds one) and each
 repro (`wedgectl repro --list`), runs `wedgectl repro NAME --vllm V --json` and prints a table of releases x
 repros: the verdict and whether it is the expected one (`ok` / `WRONG`); with --patched, also
-`wedgectl repro NAME --patched --vllm V`: whether the hang is gone (`gone` / `HANGS`). A fault a release lacks
+`wedgectl repro NAME --patched --vllm V`: whether the hang is gone, each check passed (`gone`), or which of its
+checks failed (`fails CHECK`). A fault a release lacks
 the code for patches nothing there (the plugin logs why): the cell then shows what the stock release does
 (0.19's own admission wedge needs no fault). Each cell's bundle and server log stay under --out.
 
@@ -72,7 +73,7 @@ def table(rows: list[dict], versions: list[str], names: list[str], patched: bool
                 continue
             text = f"{r['verdict'] or 'error'} {'ok' if r['right'] else 'WRONG'}"
             if patched and "patched_passed" in r:
-                text += f", {'gone' if r['patched_passed'] else 'HANGS'}"
+                text += ", gone" if r["patched_passed"] else f", fails {'+'.join(r['patched_failed']) or '?'}"
             cells.append(text)
         lines.append(f"{name:<{width}} " + " ".join(f"{c:<22}" for c in cells))
     return lines
@@ -104,7 +105,8 @@ def main() -> int:
         print(f"version_matrix: {v} {n} ...", file=sys.stderr, flush=True)
         row = cell(v, n, configs[n].expected, args.patched, out)
         print(f"version_matrix: {v} {n}: {row['verdict']} {'ok' if row['right'] else 'WRONG'}"
-              + (f", patched {'gone' if row['patched_passed'] else 'HANGS'}" if "patched_passed" in row else ""),
+              + (f", patched {'gone' if row['patched_passed'] else 'fails ' + '+'.join(row['patched_failed'])}"
+                 if "patched_passed" in row else ""),
               file=sys.stderr, flush=True)
         if args.json:
             print(json.dumps(row), flush=True)

@@ -25,22 +25,28 @@ EXPECTED = {
     "engine-deadlock": VerdictKind.ENGINE_DEADLOCK,
     "shutdown-hang": VerdictKind.SHUTDOWN_HANG,
 }
+# What a release does differently, recorded where it showed. vLLM 0.15 runs the deferred-wedge repro's paused
+# streaming sessions beside a new request (served): the two session requests stay "waiting" while the engine waits
+# for input, which is no hang wedgectl can name (engine_deadlock before the engine's stack was read for it).
+OTHER = {"deferred-sessions": VerdictKind.INCONCLUSIVE}
 RECORDED = sorted((p.parent.name, p.name.removesuffix(".tar.gz")) for p in BUNDLES.glob("v*/*.tar.gz"))
 
 
 def test_each_recorded_release_has_every_class():
     releases = {v for v, _ in RECORDED}
-    assert "v0.19.1" in releases
+    assert {"v0.15.0", "v0.19.1"} <= releases
     for release in releases:
-        assert {n for v, n in RECORDED if v == release} == set(EXPECTED), release
+        names = {n for v, n in RECORDED if v == release}
+        assert set(EXPECTED) <= names <= set(EXPECTED) | set(OTHER), release
 
 
 @pytest.mark.parametrize("release, name", RECORDED)
 def test_recorded_bundle_of_an_older_release_gives_the_expected_verdict(release, name):
     b = read_bundle(BUNDLES / release / f"{name}.tar.gz")
     v = classify(b)
-    assert v.verdict is EXPECTED[name], v.summary
-    assert b.verdict is not None and b.verdict.verdict is v.verdict  # same answer as at capture
+    assert v.verdict is {**EXPECTED, **OTHER}[name], v.summary
+    if name in EXPECTED:
+        assert b.verdict is not None and b.verdict.verdict is v.verdict  # same answer as at capture
     assert (BUNDLES / release / f"{name}.log").read_text().count(f"(v{release[1:]})") >= 1  # it is that release
 
 
@@ -67,3 +73,16 @@ def test_without_the_main_threads_quiet_the_0_19_wedge_reads_as_a_deadlock():
 def test_a_0_19_deadlock_is_not_stepping():
     f = Facts(read_bundle(BUNDLES / "v0.19.1" / "engine-deadlock.tar.gz"))
     assert f.engine_parked and not f.engine_stepping
+
+
+def test_a_0_15_engine_that_waits_for_input_is_not_deadlocked():
+    """vLLM 0.15 has no waiting-by-reason gauge: two paused sessions read as 2 waiting, counters frozen and the
+    engine parked. Its stack says why: the busy loop blocks on its input queue only when its scheduler has nothing
+    it could step. Without that reading the same bundle is the engine_deadlock recorded at capture."""
+    b = read_bundle(BUNDLES / "v0.15.0" / "deferred-sessions.tar.gz")
+    f = Facts(b)
+    assert f.waiting == 2 and f.running == 0 and f.engine_parked and f.engine_awaits_input
+    v = classify(b)
+    assert v.verdict is VerdictKind.INCONCLUSIVE
+    assert any("waits for requests at every sample while 2 wait" in e.what for e in v.evidence)
+    assert b.verdict is not None and b.verdict.verdict is VerdictKind.ENGINE_DEADLOCK  # what it was called then

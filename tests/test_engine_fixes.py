@@ -732,6 +732,43 @@ def test_before_vllm_0_29_the_guard_uses_what_the_release_has(fake_vllm, monkeyp
     assert isinstance(stalled, RuntimeError) and not isinstance(stalled, ValueError) and stalled.status_code == 503
 
 
+def test_before_0_29_a_5xx_is_the_handlers_own_generation_error(fake_vllm, monkeypatch):
+    """vLLM 0.15-0.28 keep a GenerationError that the OpenAI handlers catch (before ValueError) and answer with its
+    status_code and message. A 5xx that is one, and a ValueError (which AsyncLLM.generate passes unwrapped), is
+    answered 503 with its reason; as a RuntimeError it became a bare 500 (on 0.15, an error body sent with HTTP
+    200: its completions route returns the handler's error unconverted). The class is vLLM 0.19's, as written."""
+    from http import HTTPStatus
+
+    from wedge_engine.fixes import _common
+
+    monkeypatch.delattr(sys.modules["vllm.exceptions"], "GracefulHTTPError")
+
+    class GenerationError(Exception):
+        def __init__(self, message: str = "Internal server error"):
+            super().__init__(message)
+            self.status_code = HTTPStatus.INTERNAL_SERVER_ERROR
+
+    protocol = types.ModuleType("vllm.entrypoints.openai.engine.protocol")
+    protocol.GenerationError = GenerationError
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.openai.engine.protocol", protocol)
+    stalled = _common.http_error_class("EngineStalled", 503)("engine stalled: no step for 8.0 s")
+    assert isinstance(stalled, GenerationError) and isinstance(stalled, ValueError)
+    assert stalled.status_code == HTTPStatus.SERVICE_UNAVAILABLE and str(stalled) == "engine stalled: no step for 8.0 s"
+    rejected = _common.http_error_class("AdmissionRejected", 400)("too long")  # a 4xx stays a plain ValueError
+    assert not isinstance(rejected, GenerationError) and rejected.status_code == 400
+
+
+def test_the_kv_cache_config_is_found_in_either_return_shape():
+    """EngineCore._initialize_kv_caches returns the KVCacheConfig (0.19 on) or, on 0.15, a tuple
+    (num_gpu_blocks, num_cpu_blocks, KVCacheConfig): the honest-length check reads both."""
+    from wedge_engine.fixes import admission
+
+    config = KVCacheConfig(4, [Group(FullAttentionSpec(32))])
+    assert admission._kv_cache_config_of(config) is config
+    assert admission._kv_cache_config_of((4, 0, config)) is config
+    assert admission._kv_cache_config_of((4, 0)) is None and admission._kv_cache_config_of(None) is None
+
+
 def test_the_api_server_adopts_the_engines_honest_length(tmp_path, monkeypatch):
     """vLLM 0.19 passes the engine's max_model_len to its workers only: the API server goes on advertising
     the larger figure, and a request the pool can never hold is cut short instead of refused. The EngineCore's

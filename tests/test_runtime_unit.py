@@ -371,3 +371,19 @@ def test_a_source_file_that_is_not_a_file_is_not_read(tmp_path: Path) -> None:
     (vllm / "v1" / "worker").mkdir(parents=True)
     (vllm / "v1" / "worker" / "cpu_worker.py").symlink_to(SOURCE / "0.19.1" / "vllm" / "v1" / "worker" / "cpu_worker.py")
     assert rt_traits.omp_nobind_of(vllm) == (False, "no code that handles 'nobind' was found")
+
+
+def test_the_tiny_model_has_a_folder_per_transformers_generation(tmp_path, monkeypatch):
+    from wedgectl.lab.runtime import tinymodel
+
+    monkeypatch.setenv("WEDGECTL_CACHE", str(tmp_path / "cache"))
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").touch()
+    assert tinymodel.transformers_major(venv / "bin" / "python") is None  # no venv layout: the default
+    site = venv / "lib" / "python3.11" / "site-packages"
+    (site / "transformers-4.57.6.dist-info").mkdir(parents=True)
+    (site / "transformers_stream_generator-0.0.5.dist-info").mkdir()  # another package, not transformers
+    assert tinymodel.transformers_major(venv / "bin" / "python") == 4
+    assert tinymodel.tiny_model_dir(4).name == "tiny-llama-v2-transformers4"
+    assert tinymodel.tiny_model_dir(5) == tinymodel.tiny_model_dir(None) == tmp_path / "cache" / "models" / "tiny-llama-v2"

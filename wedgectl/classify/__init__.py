@@ -71,6 +71,13 @@ def _inconclusive(f: Facts) -> Verdict:
         if f.scrapes:
             ev.append(metrics_evidence(f, f"{f.running:.0f} running, {f.waiting:.0f} waiting"))
         ev += present(engine_cpu_evidence(f), engine_stack_evidence(f))
+        if f.engine_awaits_input and f.waiting >= 1 and f.running < 1:
+            ev.append(Evidence("stack", f"the EngineCore waits for requests at every sample while {f.waiting:.0f} "
+                               "wait: its scheduler holds nothing it can step (paused streaming-input sessions "
+                               "waiting on their clients, or requests lost between the API server and the engine)",
+                               values={"waiting": f.waiting}))
+            advice.append("Check the waiting requests' clients (paused streaming sessions); if none holds them, "
+                          "`wedgectl diagnose --pid PID --window 15` again: a count that never drains is a leak.")
     summary = "The evidence does not decide between the hang classes."
     if f.log is not None:
         span = (f.log.last_t - f.log.first_t) if f.log.first_t is not None and f.log.last_t is not None else None

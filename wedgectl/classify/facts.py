@@ -409,6 +409,16 @@ class Facts:
         return stk.classify_engine_thread(stk.engine_main_thread(stack)) if stack else None
 
     @cached_property
+    def engine_awaits_input(self) -> bool:
+        """The EngineCore main thread blocks on its input queue in its latest dump and in every dump of its burst:
+        vLLM's busy loop blocks there only when its scheduler holds nothing it could step."""
+        engine = self.engine_core
+        if engine is None or self.engine_where != stk.WAITING_INPUT:
+            return False
+        return all(stk.classify_engine_thread(stk.engine_main_thread(d)) == stk.WAITING_INPUT
+                   for d in self.stack_burst(engine.pid))
+
+    @cached_property
     def api_shutdown_frames(self) -> tuple[str, ...]:
         """Frames of API server threads in a shutdown or exit path, from its latest dump."""
         stack = self.stack_of_role(Role.API_SERVER)

@@ -247,9 +247,15 @@ def live_engine_deadlock(f: Facts) -> bool:
     blocked vLLM engine nothing is published, so every gauge holds its last value. A spinning
     engine is stepping (unless its heartbeat froze or its stack sits in the model): not a
     deadlock; with only waiting requests the engine must be seen asleep. Deferred requests are not
-    work it owes a step: vLLM 0.32 leaves paused sessions out of its unfinished count and sleeps."""
+    work it owes a step: vLLM 0.32 leaves paused sessions out of its unfinished count and sleeps.
+    Releases without the waiting-by-reason gauge (before 0.20) say so by the stack alone: with none
+    running, an engine whose main thread waits on its input queue at every sample has nothing it could
+    step (its busy loop blocks there only then), whatever the waiting gauge says (vLLM 0.15 counts
+    paused streaming sessions as waiting and serves a new request beside them)."""
     deferred = (f.last_metrics.waiting_deferred or 0) if f.last_metrics is not None else 0
     if f.running + f.waiting - deferred < 1 or not f.tokens_frozen:
+        return False
+    if f.running < 1 and f.engine_awaits_input:
         return False
     asleep = (f.engine_parked and not f.engine_stepping) or f.heartbeat_frozen
     if f.running < 1 and not asleep:

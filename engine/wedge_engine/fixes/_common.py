@@ -187,8 +187,9 @@ def async_llms() -> list[Any]:
 def http_error_class(name: str, status_code: int) -> type:
     """An exception vLLM's handlers answer with `status_code` and the message as the body: a GracefulHTTPError
     subclass where the release has it (0.29 on). Before that, a 4xx is a ValueError, which AsyncLLM.generate
-    passes through and the server answers 400 with the message; a 5xx is a RuntimeError, which it wraps in
-    EngineGenerateError and answers 500 (the message stays in the server's log)."""
+    passes through and the server answers 400 with the message; a 5xx is a GenerationError that is also a
+    ValueError where the release has one (its status and message answered), else a RuntimeError, which
+    AsyncLLM.generate wraps in EngineGenerateError and the server answers 500 (the message stays in its log)."""
     from http import HTTPStatus
 
     if holds(HTTP_ERROR):
@@ -198,8 +199,35 @@ def http_error_class(name: str, status_code: int) -> type:
             GracefulHTTPError.__init__(self, message, HTTPStatus(status_code))
 
         return type(name, (GracefulHTTPError,), {"__init__": __init__, "__module__": __name__})
+    generation_error = _generation_error() if status_code >= 500 else None
+    if generation_error is not None:
+        # A ValueError passes AsyncLLM.generate unwrapped, and the OpenAI handlers catch GenerationError
+        # (before ValueError) and answer its status_code with its message: 503 with the reason, not a bare 500
+        # (nor, on 0.15, an error body the completions route sends with HTTP 200).
+        def __init__(self, message: str) -> None:
+            generation_error.__init__(self, message)
+            self.status_code = HTTPStatus(status_code)
+
+        return type(name, (generation_error, ValueError), {"__init__": __init__, "__module__": __name__})
     base = ValueError if status_code < 500 else RuntimeError
     return type(name, (base,), {"__module__": __name__, "status_code": HTTPStatus(status_code)})
+
+
+# Where releases before GracefulHTTPError (0.29) keep the OpenAI handlers' GenerationError.
+_GENERATION_ERROR_MODULES = ("vllm.entrypoints.openai.engine.protocol", "vllm.entrypoints.openai.engine.serving")
+
+
+def _generation_error() -> type | None:
+    import importlib
+
+    for module in _GENERATION_ERROR_MODULES:
+        try:
+            cls = getattr(importlib.import_module(module), "GenerationError", None)
+        except Exception:
+            continue
+        if isinstance(cls, type) and issubclass(cls, Exception):
+            return cls
+    return None
 
 
 def fail_requests(llm: Any, make_error: Callable[[], BaseException], loop: Any = None) -> list[str]:

@@ -185,20 +185,28 @@ def _patch_initialize_kv_caches() -> bool:
 
     def make(original):
         def _initialize_kv_caches(self, vllm_config):
-            kv_cache_config = original(self, vllm_config)
+            result = original(self, vllm_config)
             try:
-                _make_advertised_len_honest(self, vllm_config, kv_cache_config)
+                _make_advertised_len_honest(self, vllm_config, _kv_cache_config_of(result))
             except Exception:
                 logger.exception("wedge_engine admission: could not check the advertised max_model_len")
-            return kv_cache_config
+            return result
 
         return _initialize_kv_caches
 
     return patch_method(EngineCore, "_initialize_kv_caches", make)
 
 
+def _kv_cache_config_of(result: Any) -> Any:
+    """What EngineCore._initialize_kv_caches returned: the KVCacheConfig (0.19 on), or in older releases (0.15)
+    the tuple (num_gpu_blocks, num_cpu_blocks, KVCacheConfig); None when neither."""
+    if isinstance(result, tuple):
+        return next((x for x in result if hasattr(x, "kv_cache_groups")), None)
+    return result if hasattr(result, "kv_cache_groups") else None
+
+
 def _make_advertised_len_honest(engine: Any, vllm_config: Any, kv_cache_config: Any) -> None:
-    if not kv_cache_config.kv_cache_groups:
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
         return
     cap = capacity_from(kv_cache_config, context_parallel=_context_parallel(vllm_config))
     advertised = vllm_config.model_config.max_model_len

