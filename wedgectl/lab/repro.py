@@ -36,6 +36,21 @@ class ReproError(WedgectlError):
     exit_code = exitcodes.REPRO_FAILED
 
 
+class ReproNotApplicable(WedgectlError):
+    """The release has not the code the repro's hang lives in (its `[requires]`); no server was started."""
+
+    exit_code = exitcodes.REPRO_NOT_APPLICABLE
+
+
+@dataclass(frozen=True)
+class Requires:
+    """A repro's precondition on the vLLM source: `source` (relative to site-packages) holds `contains`."""
+
+    source: str
+    contains: str
+    why: str  # what a release without it does instead
+
+
 @dataclass(frozen=True)
 class RequestSpec:
     """One or more identical completions the workload sends and holds open."""
@@ -98,6 +113,7 @@ class ReproConfig:
     # that SIGTERM still ends the server and every client is answered); None: it has one.
     patched_no_fix: str | None = None
     health_timeout_s: float = 180.0  # compiled mode (torch.compile warm-up) on a loaded host needs more
+    requires: Requires | None = None
 
     @property
     def faults(self) -> tuple[str, ...]:
@@ -129,6 +145,7 @@ def load_config(path: Path) -> ReproConfig:
             separate_clients=bool(workload.get("separate_process", True)),
             health_timeout_s=float(server.get("health_timeout_s", 180)),
             patched_no_fix=data.get("patched", {}).get("no_fix"),
+            requires=Requires(**data["requires"]) if "requires" in data else None,
         )
     except (KeyError, TypeError, ValueError, tomllib.TOMLDecodeError) as exc:
         raise ReproError(f"{path}: bad repro config: {exc}") from None
@@ -375,6 +392,29 @@ class ReproResult:
         return self.verdict is not None and self.verdict.verdict.value == self.config.expected
 
 
+MAX_SOURCE_BYTES = 4 << 20
+
+
+def not_applicable(cfg: ReproConfig, python: str | Path) -> str | None:
+    """Why the repro cannot show its hang on `python`'s vLLM (its source lacks what `[requires]` names), or None:
+    it can, or the source cannot be found to tell (then it runs, and its verdict says what happened)."""
+    from wedgectl.lab.runtime.traits import find_vllm_dir, read_source, version_of
+
+    req = cfg.requires
+    if req is None:
+        return None
+    vllm_dir = find_vllm_dir(python)
+    if vllm_dir is None:
+        return None
+    path = vllm_dir.parent / req.source
+    text = read_source(path, MAX_SOURCE_BYTES)
+    if text is None and path.parent.is_dir() and not path.exists():
+        text = ""  # the module is gone: what it held is too
+    if text is None or req.contains in text:
+        return None
+    return f"vLLM {version_of(vllm_dir) or '(unknown release)'}: {req.why}"
+
+
 def start_repro_server(
     cfg: ReproConfig,
     env: dict[str, str],
@@ -387,6 +427,9 @@ def start_repro_server(
     from wedgectl.lab.runtime import ServerSpec, ensure_tiny_model, runtime_python, start_server
 
     py = runtime_python(python)
+    why = not_applicable(cfg, py)
+    if why is not None:
+        raise ReproNotApplicable(f"{cfg.name} does not apply to {why}")
     ensure_engine_plugin(py, progress)
     model = ensure_tiny_model(py)
     out_dir.mkdir(parents=True, exist_ok=True)

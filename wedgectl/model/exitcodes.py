@@ -40,6 +40,7 @@ SERVER_FAILED = 42  # a vLLM server did not start
 SWAP_FAILED = 43
 SWAP_UNSAFE = 44  # swap refused: the target's interpreter or site-packages is writable by another user
 SWAP_SUPERVISED = 45  # swap refused: a supervisor (systemd, Kubernetes, a container runtime) runs the target
+REPRO_NOT_APPLICABLE = 46  # the vLLM release lacks the behaviour a repro needs (its `[requires]`): nothing started
 INTERNAL = 70  # a bug in wedgectl; the message says where to report it
 INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it)
 

@@ -44,7 +44,12 @@ class Traits:
         return cls(vllm_dir=None, version=None, omp_nobind=False, why=why)
 
 
-def _read(path: Path) -> str | None:
+def read_source(path: Path, limit: int = READ_MAX) -> str | None:
+    """A source file of the environment, at most `limit` bytes; None unless it is a regular file (no link)."""
+    return _read(path, limit)
+
+
+def _read(path: Path, limit: int = READ_MAX) -> str | None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
@@ -52,7 +57,7 @@ def _read(path: Path) -> str | None:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
-        return os.read(fd, READ_MAX).decode("utf-8", "replace")
+        return os.read(fd, limit).decode("utf-8", "replace")
     finally:
         os.close(fd)
 
