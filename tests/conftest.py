@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 import tomllib
-from collections.abc import Generator, Iterable
+from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -120,6 +120,8 @@ class SkipPolicy:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the run itself (xdist's controller, or a serial run), not a worker
+        config.pluginmanager.register(ServerLeakCheck(), "wedgectl-server-leak-check")
     if parallel(config):
         config.option.loadscopereorder = False  # hand units out in the order collected (see work_unit)
     if config.getoption("dist", "no") == "loadgroup" and not hasattr(config, "workerinput"):
@@ -135,21 +137,80 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(SkipPolicy(allowed, ALLOW_LIST), "wedgectl-skip-policy")
 
 
+# --- servers left behind ---------------------------------------------------------------------------------
+# Every test stops every vLLM server it started, on every path. The run marks its environment with a session id
+# of its own (inherited by its workers, the servers they start and the wedgectl commands that start theirs); at
+# its end, a vLLM process that carries the mark and still runs was left behind: the run fails, naming it, and
+# it is stopped. Nothing else on the host is looked at twice: another user's server, or the developer's own,
+# carries no mark.
+
+SESSION_ENV = "WEDGECTL_TEST_SESSION"
+# a server stopped by the last test's teardown may take this long to be gone (the check's own test shortens it)
+LEAK_WAIT_S = float(os.environ.get("WEDGECTL_LEAK_WAIT_S", "20"))
+
+
+def marked_vllm_processes(session_id: str) -> list[tuple[int, str]]:
+    """(pid, command line) of each live vLLM process whose environment carries `session_id`."""
+    import psutil
+
+    out = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            cmd = " ".join(proc.info["cmdline"] or [])
+            # an API server (the launcher's _serve.py), an EngineCore or Worker (vLLM's titles), or a helper
+            # process of the managed runtime's interpreter
+            vllm = "VLLM::" in cmd or "_serve.py" in cmd or "/runtime/vllm-" in cmd
+            if proc.info["status"] == psutil.STATUS_ZOMBIE or not vllm or proc.pid == os.getpid():
+                continue
+            if proc.environ().get(SESSION_ENV) == session_id:
+                out.append((proc.pid, cmd[:160]))
+        except (psutil.Error, OSError):
+            continue
+    return out
+
+
+class ServerLeakCheck:
+    def __init__(self) -> None:
+        self.session_id = f"{os.getpid()}-{time.time_ns()}"
+        os.environ[SESSION_ENV] = self.session_id  # a nested run (tests that run pytest) marks its own
+        self.left: list[tuple[int, str]] = []
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        import psutil
+
+        deadline = time.monotonic() + LEAK_WAIT_S
+        while (left := marked_vllm_processes(self.session_id)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        self.left = left
+        if not left:
+            return
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        for pid, _cmd in left:  # this run's own servers: stopped, so that the next run starts clean
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        if not self.left:
+            return
+        terminalreporter.section(f"{len(self.left)} vLLM process(es) left running by this run: the run fails",
+                                 sep="=", red=True, bold=True)
+        for pid, cmd in self.left:
+            terminalreporter.write_line(f"LEFT RUNNING pid {pid}: {cmd} (killed)", red=True)
+
+
 # --- parallel runs ---------------------------------------------------------------------------------------
-# The README's test command runs `pytest -n 3 --dist loadgroup`: three workers, fed one unit of work at a
-# time. A unit is a test module (its module-scoped fixtures, a server say, then start once), or all the
-# tests that share one session fixture that must exist once per run (ONE_PER_RUN). A unit whose tests
-# drive a real vLLM server is a server unit (its group is named `server:...`); at most SERVER_WORKERS of
-# them run at once (ServerSlots): two vLLM servers starting at once already fill 2 cores, and a third
-# only makes all three slower. The other workers take the rest meanwhile, the unit tests and the
-# integration tests that start no server, which mostly wait (on a subprocess, a socket, a timer).
-# The server units are handed out first, the largest first, so that the last minutes of a run are
-# spent on short work rather than one long module on one worker.
+# The README's test command runs `pytest -n 2 --dist loadgroup`: two workers, fed one unit of work at a time.
+# A unit is a test module (its module-scoped fixtures, a server say, then start once), or all the tests that
+# share one session fixture that must exist once per run (ONE_PER_RUN). The integration units are handed out
+# first, the largest first, and the many short unit-test modules after them, so that the last minutes of a
+# run are spent on small work on both workers rather than one long module on one.
 # Serial runs (no -n) keep pytest's own order.
 
 ONE_PER_RUN = ("admission_wedge",)  # tests/integration/conftest.py: the kept admission wedge
-SERVER_UNIT = "server:"
-SERVER_WORKERS = 2
 
 
 def work_unit(item: pytest.Item) -> str:
@@ -178,82 +239,24 @@ class GroupingCheck:
                         f"pyproject.toml names", returncode=pytest.ExitCode.USAGE_ERROR)
 
 
-def next_unit(queue: Iterable[str], holds_server: bool, servers_elsewhere: int, slots: int) -> str | None:
-    """The first unit of `queue` a worker may take: any unit, except a server unit while `slots` other
-    workers hold one (a worker that holds one already adds no server by taking another: it runs them one
-    after the other). None: nothing this worker may take now."""
-    for unit in queue:
-        if not unit.startswith(SERVER_UNIT) or holds_server or servers_elsewhere < slots:
-            return unit
-    return None
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
-    if config.getoption("dist", "no") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadGroupScheduling
-
-    class ServerSlots(LoadGroupScheduling):  # type: ignore[misc]
-        """loadgroup, with at most SERVER_WORKERS workers in a server unit at once (see "parallel runs").
-
-        A worker is given a unit when it is almost out of work (xdist's own rule) and one is allowed; a
-        worker left with nothing is offered work again whenever any test completes."""
-
-        @staticmethod
-        def _holds_server(work: dict[str, dict[str, bool]]) -> bool:
-            return any(unit.startswith(SERVER_UNIT) and not all(tests.values()) for unit, tests in work.items())
-
-        def _assign_work_unit(self, node: Any) -> None:
-            elsewhere = sum(self._holds_server(work) for other, work in self.assigned_work.items() if other is not node)
-            unit = next_unit(self.workqueue, self._holds_server(self.assigned_work.get(node, {})), elsewhere,
-                             SERVER_WORKERS)
-            if unit is None:
-                return
-            tests = self.workqueue.pop(unit)
-            self.assigned_work.setdefault(node, {})[unit] = tests
-            collection = self.registered_collections[node]
-            node.send_runtest_some([collection.index(nodeid) for nodeid, done in tests.items() if not done])
-
-        def _reschedule(self, node: Any) -> None:
-            if node.shutting_down:
-                return
-            if not self.workqueue:
-                node.shutdown()
-                return
-            if self._pending_of(self.assigned_work.get(node, {})) > 2:
-                return
-            self._assign_work_unit(node)
-
-        def mark_test_complete(self, node: Any, item_index: int, duration: float = 0) -> None:
-            super().mark_test_complete(node, item_index, duration)
-            for other in self.nodes:  # a server unit may have ended: a worker left idle may take one now
-                if other is not node:
-                    self._reschedule(other)
-
-    return ServerSlots(config, log)
-
-
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not parallel(config):
         return
-    units = {id(item): work_unit(item) for item in items if item.get_closest_marker("xdist_group") is None}
-    server = {unit for item in items if (unit := units.get(id(item))) and weight(item) >= SERVER_TEST_COST}
-    for item in items:
-        if (unit := units.get(id(item))) is not None:
-            item.add_marker(pytest.mark.xdist_group(f"{SERVER_UNIT}{unit}" if unit in server else unit))
     cost: dict[str, int] = {}
     for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(work_unit(item)))
         unit = group_of(item)
         cost[unit] = cost.get(unit, 0) + weight(item)
     first = {unit: n for n, unit in enumerate(dict.fromkeys(group_of(i) for i in items))}
 
     def order(item: pytest.Item) -> tuple[bool, int, int]:
-        # Server units first, the costliest first (the longest unit, started last, would leave one
-        # worker in it alone at the end); then the rest as collected.
+        # Integration units first, the costliest first (the longest unit, started last, would leave one
+        # worker idle at the end); then the unit tests as collected.
         unit = group_of(item)
-        serves = unit.startswith(SERVER_UNIT)
-        return (not serves, -cost[unit] if serves else 0, first[unit])
+        integration = item.get_closest_marker("integration") is not None
+        return (not integration, -cost[unit] if integration else 0, first[unit])
 
     items.sort(key=order)  # stable: a unit's own order (the kept wedge's last user last) holds
 
