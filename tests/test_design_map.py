@@ -24,7 +24,7 @@ SKIP_DIRS = {".git", ".venv", "node_modules", "__pycache__", "build", "dist"}
 # A temporary re-export shim for callers not yet moved; the map must not send anyone to it.
 NOT_ON_THE_MAP = {"wedgectl/capture/sampler.py"}
 # Where the wheel puts a top-level folder (pyproject.toml): the map may name either.
-INSTALLED_AS = {"wedgectl/probes/": "probes/", "wedgectl/_engine/": "engine/wedge_engine/"}
+INSTALLED_AS = {"wedgectl/probes/": "probes/", "wedgectl/_engine/": "engine/wedge_engine/", "wedgectl/_docs/": "docs/"}
 # Words the map writes in place of a name (`python -m wedgectl.probes.NAME`, /proc/PID/stat).
 PLACEHOLDERS = {"NAME", "PID", "N"}
 

@@ -9,7 +9,7 @@ from setuptools import find_packages
 
 ROOT = Path(__file__).resolve().parent.parent
 SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-MAPPED = {"wedgectl.probes": "probes", "wedgectl._engine": "engine"}
+MAPPED = {"wedgectl.probes": "probes", "wedgectl._engine": "engine", "wedgectl._docs": "docs"}
 
 
 def test_the_package_list_is_the_tree_plus_the_mapped_folders() -> None:
@@ -17,10 +17,12 @@ def test_the_package_list_is_the_tree_plus_the_mapped_folders() -> None:
     assert sorted(SETUPTOOLS["packages"]) == sorted(tree | set(MAPPED))
 
 
-def test_probes_and_the_engine_source_are_mapped_from_their_top_level_folders() -> None:
+def test_probes_the_engine_source_and_the_docs_are_mapped_from_their_top_level_folders() -> None:
     assert SETUPTOOLS["package-dir"] == MAPPED
     for folder in MAPPED.values():
         assert (ROOT / folder / "__init__.py").is_file()
     # The plugin's own distribution must travel whole: its build file and every module.
     engine_data = SETUPTOOLS["package-data"]["wedgectl._engine"]
     assert {"pyproject.toml", "README.md", "wedge_engine/**/*.py"} <= set(engine_data)
+    # The runbooks `watch` serves (the alert rules link to them) travel in the wheel.
+    assert SETUPTOOLS["package-data"]["wedgectl._docs"] == ["*.md"]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -16,16 +18,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from wedgectl.store.bundle import read_bundle
 from wedgectl.classify import classify
 from wedgectl.cli import main
-from wedgectl.model.types import Bundle, Verdict, VerdictKind
+from wedgectl.model.types import Bundle, Role, Verdict, VerdictKind
 from wedgectl.watch import HANG_CLASSES, Episode, Snapshot, Tracker, is_hang, make_registry, target_name
 from wedgectl.watch.daemon import episode_lines
 from wedgectl.watch.exposition import Endpoint, parse_listen
 from wedgectl.watch.recorder import Rotation, bundle_name, recorded, rotate, save_onset
-from wedgectl.watch.state import CALM_TICKS, Escalation, queue_of, trouble
+from wedgectl.watch.state import (CALM_TICKS, Escalation, TargetLabels, frozen_with_work, hang_onset, not_listening,
+                                  queue_of, trouble, wall_time)
 from wedgectl.capture.discover import served_model
-from wedgectl.watch.targets import node_name
+from wedgectl.watch.targets import node_name, target_labels
 
 BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
+DOCS = Path(__file__).parents[1] / "docs"
 V = VerdictKind
 
 
@@ -188,11 +192,13 @@ def test_save_onset_writes_a_readable_bundle(tmp_path):
 
 
 def _snapshot(now: float = 1000.0, grace: float = 60.0) -> Snapshot:
-    wedged, healthy = Tracker("n:8001/wedged"), Tracker("n:8000/tiny")
+    wedged = Tracker("n:8001/wedged", TargetLabels("n", "8001", "wedged"))
+    healthy = Tracker("n:8000/tiny", TargetLabels("n", "8000", "tiny"))
     wedged.observe(verdict(V.PROGRESSING), now - 300)
     wedged.observe(verdict(V.ADMISSION_WEDGE, 0.95), now - 100, 1)
     healthy.observe(verdict(V.IDLE, 0.8), now - 50)
-    views = (wedged.view("http://127.0.0.1:8001", 11, True), healthy.view("http://127.0.0.1:8000", 12, False))
+    views = (wedged.view("http://127.0.0.1:8001", 11, True, up=False),
+             healthy.view("http://127.0.0.1:8000", 12, False, up=True))
     return Snapshot(now, grace, views, {("pyspy", "permission"): 3})
 
 
@@ -217,6 +223,12 @@ def test_metrics_are_a_state_set_per_target_with_counters_and_build_info():
     assert last == {"n:8001/wedged": 900.0, "n:8000/tiny": 950.0}
     (fail,) = [s for s in fam["wedgectl_collector_failures"] if s.name.endswith("_total")]
     assert fail.labels == {"collector": "pyspy", "kind": "permission"} and fail.value == 3.0
+    up = {s.labels["target"]: s.value for s in fam["wedgectl_target_up"]}
+    assert up == {"n:8001/wedged": 0.0, "n:8000/tiny": 1.0}
+    # the target's parts, each a label of its own: joins with vLLM's series on model_name
+    (wedge,) = [s for s in fam["wedgectl_verdict"] if s.labels["verdict"] == "admission_wedge" and s.value == 1.0]
+    assert wedge.labels == {"target": "n:8001/wedged", "node": "n", "port": "8001", "model_name": "wedged", "pid": "",
+                            "verdict": "admission_wedge"}
     (build,) = fam["wedgectl_build_info"]
     assert build.name == "wedgectl_build_info" and build.labels["version"]
 
@@ -238,8 +250,15 @@ def test_endpoints_answer_livez_targets_and_metrics():
             assert by["n:8000/tiny"]["verdict"] == "idle" and by["n:8000/tiny"]["live"] is True
             m = c.get(f"{base}/metrics")
             assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
-            assert 'wedgectl_verdict{target="n:8001/wedged",verdict="admission_wedge"} 1.0' in m.text
+            assert ('wedgectl_verdict{model_name="wedged",node="n",pid="",port="8001",target="n:8001/wedged",'
+                    'verdict="admission_wedge"} 1.0') in m.text
             assert c.get(f"{base}/nope").status_code == 404
+            # the runbooks the alert rules link to, from the installed wedgectl; nothing else by that path
+            page = c.get(f"{base}/runbooks/hang-admission-wedge.md")
+            assert page.status_code == 200 and page.headers["content-type"].startswith("text/markdown")
+            assert page.content == (DOCS / "hang-admission-wedge.md").read_bytes()
+            for other in ("design.md", "..%2Fpyproject.toml", "../README.md", "hang-none.md", "runbook-watch.md.bak"):
+                assert c.get(f"{base}/runbooks/{other}").status_code == 404, other
     finally:
         ep.close()
     assert not ep.thread.is_alive()
@@ -320,3 +339,79 @@ def test_a_cheap_sample_reads_process_cpu_and_one_scrape_without_threads():
         child.kill()
         child.wait(timeout=10)
         ep.close()
+
+
+# ------------------------------------------------------------------ onset: state_seconds from the hang's start
+
+
+def _local(*when: int) -> float:
+    return datetime.datetime(*when).timestamp()
+
+
+def test_a_wedge_found_already_under_way_counts_from_vllms_first_frozen_stats_line():
+    """A real wedge's log (recorded): tokens last flowed at 08:37:49; at 08:37:59 vLLM logged 0 tokens/s with a
+    request waiting (the rest it logs at DEBUG). A watcher that first looks at 08:40:29 dates the hang 150 s back."""
+    lines = (BUNDLES / "admission-wedge.log").read_text().splitlines()
+    now = _local(2026, 12, 1, 8, 40, 29)
+    onset = hang_onset(V.ADMISSION_WEDGE, verdict(V.ADMISSION_WEDGE), (), lines, now)
+    assert onset == _local(2026, 12, 1, 8, 37, 59) == now - 150
+    tr = Tracker("n:8000/tiny")
+    ep = tr.observe(verdict(V.ADMISSION_WEDGE), now, 1, onset)
+    assert ep is not None and ep.start == now - 150
+    assert tr.view(None, None, True).state_seconds(now + 10) == 160.0
+    # the lines before the hang alone (tokens flowing at their end) date nothing
+    flowing = [ln for ln in lines if "08:37:59" not in ln]
+    assert hang_onset(V.ADMISSION_WEDGE, verdict(V.ADMISSION_WEDGE), (), flowing, now) is None
+    # a class whose evidence is not frozen counters is not dated by them
+    assert hang_onset(V.ORPHANED_ENGINE, verdict(V.ORPHANED_ENGINE), (), lines, now) is None
+
+
+def test_a_log_from_before_the_server_started_dates_nothing():
+    """A log appended to across restarts: the frozen run belongs to the server before this one."""
+    lines = (BUNDLES / "admission-wedge.log").read_text().splitlines()
+    b = read_bundle(BUNDLES / "admission-wedge.tar.gz")
+    now = _local(2026, 12, 1, 8, 40, 29)
+    last = b.samples[-1]
+    restarted = replace(last, processes=tuple(replace(p, started=now - 30) if p.role is Role.API_SERVER else p
+                                              for p in last.processes))
+    assert any(p.role is Role.API_SERVER for p in restarted.processes)
+    assert hang_onset(V.ADMISSION_WEDGE, verdict(V.ADMISSION_WEDGE), (restarted,), lines, now) is None
+
+
+def test_recorded_samples_date_the_frozen_run_and_the_closed_listener():
+    wedge = read_bundle(BUNDLES / "admission-wedge.tar.gz")
+    now = wedge.samples[-1].t
+    onset = hang_onset(V.ADMISSION_WEDGE, classify(wedge), wedge.samples, (), now)
+    # every sample from the onset on shows the same token count with the request in flight
+    assert onset is not None and onset < now
+    frozen = [s for s in wedge.samples if s.t >= onset]
+    assert len(frozen) >= 2 and all(frozen_with_work(frozen[i - 1:i + 1]) for i in range(1, len(frozen)))
+    shutdown = read_bundle(BUNDLES / "shutdown-hang.tar.gz")
+    v = classify(shutdown)
+    assert v.verdict is V.SHUTDOWN_HANG
+    onset = hang_onset(V.SHUTDOWN_HANG, v, shutdown.samples, (), shutdown.samples[-1].t)
+    closed = [s for s in shutdown.samples if not_listening([s])]
+    assert onset == closed[0].t and len(closed) >= 2
+
+
+def test_a_startup_hang_counts_from_the_phase_the_classifier_timed():
+    b = read_bundle(BUNDLES / "startup-hang.tar.gz")
+    v = classify(b)
+    assert v.verdict is V.STARTUP_HANG and v.facts["stuck_s"] > 60
+    now = b.samples[-1].t
+    assert hang_onset(V.STARTUP_HANG, v, b.samples, (), now) == pytest.approx(now - v.facts["stuck_s"])
+
+
+def test_wall_time_reads_a_year_less_stamp_in_this_year_or_the_last():
+    assert wall_time("12-01 08:37:59", _local(2026, 12, 1, 9, 0, 0)) == _local(2026, 12, 1, 8, 37, 59)
+    assert wall_time("12-31 23:59:00", _local(2027, 1, 1, 0, 1, 0)) == _local(2026, 12, 31, 23, 59, 0)
+    assert wall_time("2025-06-01 10:00:00", _local(2026, 1, 1, 0, 0, 0)) == _local(2025, 6, 1, 10, 0, 0)
+    assert wall_time("13-45 99:00:00", _local(2026, 1, 1, 0, 0, 0)) is None
+    assert wall_time("not a stamp", 0.0) is None
+
+
+def test_target_labels_are_the_names_parts_and_pid_only_without_a_port():
+    assert target_labels("node-a", "http://127.0.0.1:8000", "tiny", 42) == TargetLabels("node-a", "8000", "tiny", "")
+    assert target_labels("node-a", "http://gpu-7.example:9000", None) == TargetLabels("gpu-7.example", "9000",
+                                                                                       "unknown", "")
+    assert target_labels("node-a", None, "m", pid=42) == TargetLabels("node-a", "", "m", "42")

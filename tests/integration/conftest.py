@@ -161,6 +161,7 @@ class KeptWedge:
         proc = subprocess.run([sys.executable, "-m", "wedgectl", "repro", "admission-wedge", "--keep", "--json", "-q",
                                "--python", str(python), "--out", str(out)],
                               capture_output=True, text=True, timeout=480)
+        self.confirmed_at = time.time()  # the wedge had begun by then (the repro diagnosed it)
         self.rc = proc.returncode
         try:
             self.out: dict = json.loads(proc.stdout)

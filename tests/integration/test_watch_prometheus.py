@@ -112,7 +112,8 @@ def light_load(url: str, stop: threading.Event) -> None:
 
 
 @pytest.mark.ends_admission_wedge
-def test_watch_exports_a_wedge_to_prometheus_and_fails_livez(vllm_server, kept_wedge, prometheus, tmp_path):
+def test_watch_exports_a_wedge_to_prometheus_and_fails_livez(vllm_server, kept_wedge, admission_wedge, prometheus,
+                                                             tmp_path):
     wedge_port = int(kept_wedge["url"].rsplit(":", 1)[1])
     healthy_port = int(vllm_server.url.rsplit(":", 1)[1])
     watch_port = free_port()
@@ -123,6 +124,7 @@ def test_watch_exports_a_wedge_to_prometheus_and_fails_livez(vllm_server, kept_w
     loader.start()
     # --ebpf off: the onset capture's probes are the probe tests' business; here they would only
     # slow the onset on a loaded machine
+    watch_started = time.time()
     with out_path.open("wb") as out, err_path.open("wb") as err:
         watch = subprocess.Popen(
             [sys.executable, "-m", "wedgectl", "watch", "--pid", str(kept_wedge["pid"]), "--pid", str(vllm_server.pid),
@@ -157,6 +159,25 @@ def test_watch_exports_a_wedge_to_prometheus_and_fails_livez(vllm_server, kept_w
             got = wait_for("wedgectl_verdict{verdict=admission_wedge} == 1 in Prometheus",
                            lambda: query(f'wedgectl_verdict{{verdict="admission_wedge",target="{wedge}"}} == 1'), 150)
             assert got[0]["metric"]["job"] == "wedgectl"
+            # by vLLM's own labels: the served model's name and the port, the node and no pid beside a port
+            ids = got[0]["metric"]
+            assert (ids["model_name"], ids["port"], ids.get("pid")) == ("tiny", str(wedge_port), None), ids
+            on_vllms_names = query(f'wedgectl_verdict{{model_name="tiny",port="{wedge_port}"}} == 1')
+            assert [r["metric"]["verdict"] for r in on_vllms_names] == ["admission_wedge"]
+            up = query('wedgectl_target_up')
+            assert sorted((r["metric"]["port"], r["value"][1]) for r in up) == sorted(
+                [(str(wedge_port), "1"), (str(healthy_port), "1")]), up
+            # the state counts from the wedge's onset as vLLM's log dates it, not from when watch began:
+            # the wedge had begun by the time its repro returned (and at most one stats interval later
+            # is what the log shows), and not before its server started
+            asked = time.time()
+            (held,) = query(f'wedgectl_state_seconds{{model_name="tiny",port="{wedge_port}"}}')
+            onset = asked - float(held["value"][1])
+            started = psutil.Process(kept_wedge["pid"]).create_time()
+            assert started - 2.0 <= onset <= admission_wedge.confirmed_at + 12.0, (started, onset,
+                                                                                 admission_wedge.confirmed_at)
+            if watch_started - admission_wedge.confirmed_at > 15.0:  # the wedge's other users ran first
+                assert onset < watch_started - 1.0, (onset, watch_started)
             # 3. the matching alert goes to firing
             def firing() -> dict | None:
                 alerts = c.get(f"{prom}/api/v1/alerts").json()["data"]["alerts"]
@@ -164,7 +185,10 @@ def test_watch_exports_a_wedge_to_prometheus_and_fails_livez(vllm_server, kept_w
                              and a["labels"]["target"] == wedge and a["state"] == "firing"), None)
             alert = wait_for("VllmAdmissionWedge firing", firing, 90)
             assert alert["labels"]["severity"] == "critical"
-            assert alert["annotations"]["runbook_url"] == "docs/hang-admission-wedge.md"
+            # its runbook link is absolute, and the watcher that raised it serves the page
+            assert alert["annotations"]["runbook_url"] == f"{base}/runbooks/hang-admission-wedge.md"
+            page = c.get(alert["annotations"]["runbook_url"])
+            assert page.status_code == 200 and page.text.startswith("# ")
             # 4. /livez went 503, and only once the wedge had lasted longer than the grace
             wait_for("/livez 503", livez_failing, 60, every=0.5)
             t503, _, body = livez[-1]
@@ -223,3 +247,17 @@ def test_watch_exports_a_wedge_to_prometheus_and_fails_livez(vllm_server, kept_w
     assert [(x["event"], x["target"], x["verdict"], x["bundle"]) for x in lines] == [
         ("episode_start", wedge, "admission_wedge", str(saved)), ("episode_end", wedge, "admission_wedge", str(saved))]
     assert lines[1]["start"] == lines[0]["start"] and lines[1]["end"] and lines[1]["peak_queue"] >= 1
+    # the kept repro ends the way its output said: `repro --stop` (here by its server's pid, so that a kept
+    # admission wedge of the developer's own is left alone), which stops the server it recorded
+    assert kept_wedge["stop_with"] == "wedgectl repro --stop admission-wedge"
+    r = subprocess.run([sys.executable, "-m", "wedgectl", "repro", "--stop", str(kept_wedge["pid"]), "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    stopped = json.loads(r.stdout)["stopped"]
+    assert [(s["name"], s["pid"], s["was_running"]) for s in stopped] == [("admission-wedge", kept_wedge["pid"], True)]
+    def server_gone() -> bool:
+        try:
+            return psutil.Process(kept_wedge["pid"]).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+    wait_for("the kept server gone", server_gone, 30)

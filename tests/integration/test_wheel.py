@@ -88,6 +88,17 @@ def test_the_wheel_carries_the_whole_engine_plugin_source(installed: Installed) 
     assert got == f"{engine_version()} {engine_source_hash()}"  # the same files as the checkout's engine/
 
 
+def test_the_wheel_carries_the_runbooks_watch_serves(installed: Installed) -> None:
+    """The alert rules link to the watcher's /runbooks/: each page they name is in the wheel, as in docs/."""
+    got = json.loads(installed.python_c(
+        "import json; from wedgectl.watch.exposition import runbook; "
+        "print(json.dumps({n: (runbook(n) or b'').decode() for n in "
+        "('hang-admission-wedge.md', 'runbook-watch.md', 'design.md')}))"))
+    assert got["hang-admission-wedge.md"] == (ROOT / "docs" / "hang-admission-wedge.md").read_text()
+    assert got["runbook-watch.md"] == (ROOT / "docs" / "runbook-watch.md").read_text()
+    assert got["design.md"] == ""  # not a runbook: not served
+
+
 def test_the_wheel_installs_the_engine_plugin_into_a_python(installed: Installed, tmp_path: Path) -> None:
     # The wheel's own venv stands in for a server's environment: the plugin needs no vLLM to install.
     installed.python_c(

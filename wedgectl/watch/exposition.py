@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 from wedgectl import __version__
 from wedgectl.read.redact import printable
 from wedgectl.model.types import VerdictKind
-from wedgectl.watch.state import HANG_CLASSES, TargetView
+from wedgectl.watch.state import HANG_CLASSES, TargetLabels, TargetView
 
 DEFAULT_LISTEN = "127.0.0.1:9464"
 
@@ -56,6 +56,29 @@ class Snapshot:
                 "targets": [v.to_json(self.t, self.grace_s) for v in self.targets]}
 
 
+# The runbooks the alert rules link to (deploy/prometheus/wedgectl-rules.yaml): the docs/ pages of the wedgectl
+# that answers, carried in its wheel as wedgectl._docs. Only these names are served, from the package, never
+# from a path the request names.
+RUNBOOK_NAME = re.compile(r"(?:hang-[a-z0-9-]{1,40}|runbook-watch)\.md")
+RUNBOOK_MAX_BYTES = 1 << 20
+
+
+def runbook(name: str) -> bytes | None:
+    """The runbook page `name` (hang-*.md, runbook-watch.md), or None for any other name."""
+    if RUNBOOK_NAME.fullmatch(name) is None:
+        return None
+    from importlib import resources
+
+    try:
+        page = resources.files("wedgectl._docs").joinpath(name)
+        if not page.is_file():
+            return None
+        with page.open("rb") as f:
+            return f.read(RUNBOOK_MAX_BYTES)
+    except (OSError, ModuleNotFoundError):
+        return None
+
+
 class WatchCollector(Collector):
     """The watcher's state as Prometheus metric families, built afresh at each scrape."""
 
@@ -64,43 +87,53 @@ class WatchCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self.snapshot()
+        # Every per-target series carries `target` (NODE:PORT/MODEL, as alerts name it) and its parts as
+        # labels of their own (TargetLabels: node, port, model_name, and pid where there is no port), so that
+        # they join with vLLM's own series on model_name.
+        ids = ["target", *TargetLabels.NAMES]
         verdict = GaugeMetricFamily("wedgectl_verdict", "The target's current verdict: 1 for it, 0 for every other.",
-                                    labels=["target", "verdict"])
+                                    labels=[*ids, "verdict"])
         confidence = GaugeMetricFamily("wedgectl_verdict_confidence", "Confidence of the current verdict (0..1).",
-                                       labels=["target"])
-        state = GaugeMetricFamily("wedgectl_state_seconds", "Seconds the current verdict has held.", labels=["target"])
+                                       labels=ids)
+        state = GaugeMetricFamily("wedgectl_state_seconds", "Seconds the current verdict has held, from when the "
+                                  "evidence dates it (a hang found already under way counts from its onset).",
+                                  labels=ids)
+        up = GaugeMetricFamily("wedgectl_target_up", "1 if the target's last look read it (/metrics answered 200, "
+                               "or its processes where it has no URL), else 0.", labels=ids)
         episodes = CounterMetricFamily("wedgectl_episodes", "Hang episodes begun, by the hang class they began as.",
-                                       labels=["target", "verdict"])
+                                       labels=[*ids, "verdict"])
         last = GaugeMetricFamily("wedgectl_last_evaluation_timestamp_seconds",
-                                 "Unix time of the target's last evaluation.", labels=["target"])
+                                 "Unix time of the target's last evaluation.", labels=ids)
         stale = GaugeMetricFamily("wedgectl_target_stale", "1 while the target's last tick was skipped (its evaluation "
-                                  "before still ran, or no worker was free): its verdict is old.", labels=["target"])
+                                  "before still ran, or no worker was free): its verdict is old.", labels=ids)
         kept = GaugeMetricFamily("wedgectl_kept_sample_bytes", "Bytes the target's kept samples take (estimated).",
-                                 labels=["target"])
+                                 labels=ids)
         budget = CounterMetricFamily("wedgectl_budget_exceeded", "Times the target's kept samples went over its "
                                      "byte budget (--target-budget-mb, --total-budget-mb) and were trimmed.",
-                                     labels=["target"])
+                                     labels=ids)
         for v in snap.targets:
-            stale.add_metric([v.name], 1.0 if v.stale else 0.0)
-            kept.add_metric([v.name], float(v.kept_bytes))
-            budget.add_metric([v.name], float(v.budget_exceeded))
+            me = [v.name, *(v.labels or TargetLabels(node=v.name)).values()]
+            up.add_metric(me, 1.0 if v.up else 0.0)
+            stale.add_metric(me, 1.0 if v.stale else 0.0)
+            kept.add_metric(me, float(v.kept_bytes))
+            budget.add_metric(me, float(v.budget_exceeded))
             if v.verdict is None:
                 continue
             for kind in VerdictKind:
-                verdict.add_metric([v.name, kind.value], 1.0 if kind is v.verdict.verdict else 0.0)
-            confidence.add_metric([v.name], v.verdict.confidence)
-            state.add_metric([v.name], v.state_seconds(snap.t))
+                verdict.add_metric([*me, kind.value], 1.0 if kind is v.verdict.verdict else 0.0)
+            confidence.add_metric(me, v.verdict.confidence)
+            state.add_metric(me, v.state_seconds(snap.t))
             if v.last_evaluation is not None:
-                last.add_metric([v.name], v.last_evaluation)
+                last.add_metric(me, v.last_evaluation)
             for kind in HANG_CLASSES:
-                episodes.add_metric([v.name, kind.value], float(v.episodes_total.get(kind, 0)))
+                episodes.add_metric([*me, kind.value], float(v.episodes_total.get(kind, 0)))
         failures = CounterMetricFamily("wedgectl_collector_failures", "Reads a collector could not make, by why.",
                                        labels=["collector", "kind"])
         for (collector, why), n in sorted(snap.failures.items()):
             failures.add_metric([collector, why], float(n))
         build = InfoMetricFamily("wedgectl_build", "The wedgectl that answers.", value={"version": __version__})
         targets = GaugeMetricFamily("wedgectl_targets", "Deployments under watch.", value=len(snap.targets))
-        yield from (verdict, confidence, state, episodes, last, failures, build, targets, stale, kept, budget)
+        yield from (verdict, confidence, state, up, episodes, last, failures, build, targets, stale, kept, budget)
 
 
 def make_registry(snapshot: Callable[[], Snapshot]) -> CollectorRegistry:
@@ -365,8 +398,15 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(403, "text/plain; charset=utf-8", TARGETS_REFUSED.encode())
         elif path == "/v1/targets":
             self._send(200, "application/json", json.dumps(self.server.snapshot().targets_json(), default=str).encode())
+        elif path.startswith("/runbooks/"):
+            text = runbook(path.removeprefix("/runbooks/"))
+            if text is None:
+                self._send(404, "text/plain; charset=utf-8", b"no such runbook\n")
+            else:
+                self._send(200, "text/markdown; charset=utf-8", text)
         elif path == "/":
             paths = "/metrics /livez /v1/targets" if self.server.targets_served else "/metrics /livez"
+            paths += " /runbooks/"
             self._send(200, "text/plain; charset=utf-8", f"wedgectl watch: {paths}\n".encode())
         else:
             self._send(404, "text/plain; charset=utf-8", b"not found\n")

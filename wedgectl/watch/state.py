@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import datetime as _dt
+import re
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from wedgectl.read.logparse import parse_log
 from wedgectl.read.metrics import MetricsParseError, MetricsSnapshot, parse_metrics
 from wedgectl.model.types import Role, Sample, Verdict, VerdictKind
 
@@ -57,6 +60,24 @@ class Episode:
 
 
 @dataclass(frozen=True)
+class TargetLabels:
+    """A target's identity as Prometheus labels: `node` (the pod or host, or the host of a URL elsewhere),
+    `port` (its API server's), `model_name` (the served name, as vLLM labels its own series) and `pid`
+    (its API server's, only where there is no port). Set once, when the target is named: they stay the
+    same while its listener closes."""
+
+    node: str
+    port: str = ""
+    model_name: str = "unknown"
+    pid: str = ""
+
+    NAMES = ("node", "port", "model_name", "pid")
+
+    def values(self) -> list[str]:
+        return [self.node, self.port, self.model_name, self.pid]
+
+
+@dataclass(frozen=True)
 class TargetView:
     """One target as the exposition and /v1/targets see it at one instant."""
 
@@ -72,6 +93,8 @@ class TargetView:
     stale: bool = False  # its last tick was skipped: the evaluation before still ran, or no worker was free
     kept_bytes: int = 0  # what its kept samples take (estimated), within its budget
     budget_exceeded: int = 0  # times its kept samples went over its byte budget and were trimmed
+    labels: TargetLabels | None = None
+    up: bool = False  # its last look read it: /metrics answered (its processes, where it has no URL)
 
     @property
     def hang_since(self) -> float | None:
@@ -91,7 +114,8 @@ class TargetView:
 
         v = self.verdict
         return redact_obj({  # served to anyone who can reach --listen: no secret goes out
-            "target": self.name, "url": self.url, "pid": self.pid,
+            "target": self.name, "url": self.url, "pid": self.pid, "up": self.up,
+            "labels": dict(zip(TargetLabels.NAMES, self.labels.values(), strict=True)) if self.labels else None,
             "verdict": v.verdict.value if v else None, "confidence": v.confidence if v else None,
             "summary": v.summary if v else None, "rule": v.rule if v else None,
             "evidence": to_jsonable(v.evidence) if v else [],
@@ -107,8 +131,9 @@ class Tracker:
     """The verdicts of one target over time, folded into episodes. observe() returns the episode
     that began or ended at this evaluation (None when nothing changed)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, labels: TargetLabels | None = None) -> None:
         self.name = name
+        self.labels = labels
         self.verdict: Verdict | None = None
         self.since: float | None = None
         self.last_evaluation: float | None = None
@@ -126,15 +151,20 @@ class Tracker:
     def current(self) -> Episode | None:
         return self.episodes[-1] if self.episodes and self.episodes[-1].open else None
 
-    def observe(self, verdict: Verdict, now: float, queue: float | None = None) -> Episode | None:
-        if self.verdict is None or verdict.verdict is not self.verdict.verdict:
-            self.since = now
+    def observe(self, verdict: Verdict, now: float, queue: float | None = None,
+                onset: float | None = None) -> Episode | None:
+        """`onset`: when the evidence dates the verdict's condition from (hang_onset), if before now:
+        the new state, and the episode it opens, count from it."""
+        changed = self.verdict is None or verdict.verdict is not self.verdict.verdict
+        if changed:
+            self.since = min(now, onset) if onset is not None else now
         self.verdict, self.last_evaluation, self.stale = verdict, now, False
         kind, ep = verdict.verdict, self.current
         if ep is None:
             if not is_hang(kind):
                 return None
-            ep = Episode(self.name, kind, now, peak_queue=queue or 0.0, verdicts=(kind,))
+            start = self.since if changed and self.since is not None else now
+            ep = Episode(self.name, kind, start, peak_queue=queue or 0.0, verdicts=(kind,))
             self.episodes.append(ep)
             self.totals[kind] += 1
             return ep
@@ -161,9 +191,96 @@ class Tracker:
                 self.episodes[i] = replace(e, bundle=path)
 
     def view(self, url: str | None, pid: int | None, escalated: bool, kept_bytes: int = 0,
-             budget_exceeded: int = 0) -> TargetView:
+             budget_exceeded: int = 0, up: bool = False) -> TargetView:
         return TargetView(self.name, url, pid, self.verdict, self.since, self.last_evaluation, escalated,
-                          tuple(self.episodes), dict(self.totals), self.stale, kept_bytes, budget_exceeded)
+                          tuple(self.episodes), dict(self.totals), self.stale, kept_bytes, budget_exceeded,
+                          self.labels, up)
+
+
+# ---------------------------------------------------------------- onset
+# A watcher that first looks at a server hung for minutes must not say it has been hung for seconds:
+# the state counts from when the evidence dates the hang, the earliest of what each source shows.
+FROZEN_CLASSES = frozenset({VerdictKind.ADMISSION_WEDGE, VerdictKind.ENGINE_DEADLOCK, VerdictKind.COLLECTIVE_HANG})
+
+
+def _trailing_start(samples: Sequence[Sample], holds: Any) -> float | None:
+    """The time of the first of the newest samples for which `holds(previous, sample)` held each time."""
+    start = None
+    for i in range(len(samples) - 1, 0, -1):
+        if not holds(samples[i - 1], samples[i]):
+            break
+        start = samples[i - 1].t
+    return start
+
+
+def _frozen_pair(a: Sample, b: Sample) -> bool:
+    return frozen_with_work([a, b])
+
+
+_WALL_STAMP = re.compile(r"(?:(\d{4})-)?(\d{2})-(\d{2})[ T](\d{2}):(\d{2}):(\d{2})")
+
+
+def wall_time(stamp: str, now: float) -> float | None:
+    """A log stamp ("MM-DD HH:MM:SS", vLLM's; or with its year) as Unix time, read in this host's zone: in
+    `now`'s year, or the one before when that would put it in the future (a log read just after New Year)."""
+    m = _WALL_STAMP.match(stamp.strip())
+    if m is None:
+        return None
+    year = int(m.group(1)) if m.group(1) else _dt.datetime.fromtimestamp(now).year
+    for y in (year, year - 1) if not m.group(1) else (year,):
+        try:
+            mo, d, hh, mm, ss = (int(g) for g in m.groups()[1:])
+            t = _dt.datetime(y, mo, d, hh, mm, ss).timestamp()
+        except (ValueError, OverflowError, OSError):
+            return None
+        if t <= now + 60:
+            return t
+    return None
+
+
+def _stats_frozen_since(log_lines: Sequence[str], now: float) -> float | None:
+    """When vLLM's own stats lines first showed no tokens with requests in flight, after the last that showed
+    tokens: the run of such lines at the log's end (vLLM logs the first zero at INFO, the rest at DEBUG)."""
+    if not log_lines:
+        return None
+    first = None
+    for line in reversed(parse_log(log_lines).stats):
+        if line.gen_tps > 0 or line.running + line.waiting < 1:
+            break
+        first = line
+    if first is None or first.stamp is None:
+        return None
+    return wall_time(first.stamp, now)
+
+
+def hang_onset(kind: VerdictKind, verdict: Verdict, samples: Sequence[Sample], log_lines: Sequence[str],
+               now: float) -> float | None:
+    """When the evidence dates the hang `kind` from (Unix time), or None when it dates nothing before now:
+    - frozen counters with work in flight across the kept samples (admission wedge, deadlock, collective);
+    - vLLM's own stats lines: the first of a run of "0.0 tokens/s" with requests in flight at the log's end;
+    - a shutdown: the first of the newest samples with the API server no longer listening;
+    - a dead engine: the first of the newest samples with /health or /metrics failing;
+    - a start-up: the time the classifier measured in its phase (facts["stuck_s"])."""
+    dates: list[float] = []
+    if kind in FROZEN_CLASSES:
+        if (t := _trailing_start(samples, _frozen_pair)) is not None:
+            dates.append(t)
+        if (t := _stats_frozen_since(log_lines, now)) is not None:
+            dates.append(t)
+    elif kind is VerdictKind.SHUTDOWN_HANG:
+        if (t := _trailing_start(samples, lambda _a, b: not_listening([b]))) is not None:
+            dates.append(t)
+    elif kind is VerdictKind.ENGINE_DEAD:
+        if (t := _trailing_start(samples, lambda _a, b: health_failing([b]))) is not None:
+            dates.append(t)
+    stuck = verdict.facts.get("stuck_s")
+    if isinstance(stuck, int | float) and not isinstance(stuck, bool) and 0 < stuck < 10 * 365 * 86400:
+        dates.append(now - float(stuck))
+    # nothing before the server itself: a log appended to across restarts holds the runs before it
+    started = [p.started for p in samples[-1].processes if p.role is Role.API_SERVER and p.started] if samples else []
+    dates = [t for t in dates if not started or t >= min(started)]
+    earliest = min(dates, default=None)
+    return earliest if earliest is not None and earliest < now else None
 
 
 # ---------------------------------------------------------------- escalation

@@ -15,6 +15,7 @@ from wedgectl.capture.session import LiveSession
 from wedgectl.classify.judged import judged_sample
 from wedgectl.collect import processes
 from wedgectl.model.types import Bundle, FailureKind, Manifest, MetricsScrape, Sample
+from wedgectl.watch.state import TargetLabels
 
 KEEP_S = 120.0  # evidence kept per target: the "before" of an onset bundle
 CLASSIFY_S = 30.0  # the verdict rests on the last 30 s: longer than any rule's frozen threshold
@@ -42,14 +43,20 @@ def node_name() -> str:
 def target_name(node: str, base_url: str | None, model: str | None, pid: int | None = None) -> str:
     """'NODE:PORT/MODEL': stable across restarts of the same server, readable in an alert. A URL on
     another host keeps that host's name instead of ours."""
+    labels = target_labels(node, base_url, model, pid)
+    where = f"{labels.node}:{labels.port}" if labels.port else (f"{labels.node}:pid{pid}" if pid else labels.node)
+    return f"{where}/{labels.model_name}"
+
+
+def target_labels(node: str, base_url: str | None, model: str | None, pid: int | None = None) -> TargetLabels:
+    """The labels of target_name's parts: a URL on another host gives that host as the node."""
     host, port = node, None
     if base_url:
         parts = urlsplit(base_url)
         port = parts.port
         if parts.hostname and parts.hostname not in _LOOPBACK:
             host = parts.hostname
-    where = f"{host}:{port}" if port else (f"{host}:pid{pid}" if pid else host)
-    return f"{where}/{model or 'unknown'}"
+    return TargetLabels(host, str(port) if port else "", model or "unknown", "" if port or pid is None else str(pid))
 
 
 def host_deployments() -> list[int]:
@@ -94,6 +101,7 @@ class Watched:
         # judged series. The manifest names the root pid: a re-found deployment is named anew.
         self.session = LiveSession(deployment, spec.pid, spec.url, keep_s=KEEP_S)
         self.name = target_name(node, deployment.base_url, self.session.model, deployment.root_pid)
+        self.labels = target_labels(node, deployment.base_url, self.session.model, deployment.root_pid)
         self.budget_bytes = 0
         self.kept_bytes = 0  # sample_bytes of the kept samples
         self.budget_exceeded = 0  # times the kept samples went over the budget and were trimmed
@@ -121,6 +129,16 @@ class Watched:
         return self.deployment.root_pid
 
     @property
+    def up(self) -> bool:
+        """Its last look read it: /metrics answered 200 where it has a URL, else its processes were read."""
+        if not self.samples:
+            return False
+        last = self.samples[-1]
+        if self.deployment.base_url:
+            return last.metrics is not None and last.metrics.ok
+        return bool(last.processes)
+
+    @property
     def alive(self) -> bool:
         """False once a pid-watched deployment's root process is gone (a URL is always watched)."""
         pid = self.deployment.root_pid
@@ -140,6 +158,7 @@ class Watched:
         if self.model is None and self.session.name_model(s) and not self.samples:
             # named before its first evaluation, never after
             self.name = target_name(self.node, self.deployment.base_url, self.model, self.deployment.root_pid)
+            self.labels = target_labels(self.node, self.deployment.base_url, self.model, self.deployment.root_pid)
         self.kept_bytes += sample_bytes(s)
         for gone in self.session.record(s):
             self.kept_bytes -= sample_bytes(gone)
