@@ -50,3 +50,15 @@ def one_line(stderr: str) -> str:
     lines = stderr.splitlines()
     assert len(lines) == 1, stderr
     return lines[0]
+
+
+def gone_pid() -> int:
+    """The pid of a child of ours that has exited and been reaped (and not been reused since)."""
+    import pytest
+
+    for _ in range(20):
+        child = subprocess.Popen(["true"])
+        child.wait(timeout=30)
+        if not os.path.exists(f"/proc/{child.pid}"):
+            return child.pid
+    pytest.fail("every pid of an exited child was reused at once")

@@ -421,3 +421,22 @@ def test_a_throttled_engine_whose_main_threads_wait_on_a_runnable_sibling_is_not
     assert (v.verdict, v.rule) == (VerdictKind.INCONCLUSIVE, "live_engine_waits_for_cpu")
     assert v.advice[0].startswith("Raise the engine's CPU limit")
     assert not [k for k in range(2, len(b.samples) + 1) if classify(prefix(b, k)).verdict in HANGS]
+
+
+LIMITED_QUICK = Path(__file__).parent / "fixtures" / "bundles" / "engine-limited-quick-look-zero-gauges.tar.gz"
+
+
+def test_zero_gauges_with_a_runnable_thread_under_a_cpu_limit_are_not_a_certain_idle():
+    """Recorded in a CI run of the live CPU-limit test on a loaded host (a third test worker beside the two): the
+    same limit, but this time the main threads asleep over the quick look (their run delay still), two Worker
+    threads runnable, the gauges at 0 running, 0 waiting. That read as a certain `idle` and the capture stopped
+    at 0.4 s; a thread of a CPU-limited engine runnable is not an idle engine's, so idle is no longer certain and
+    the capture runs its window, where the limit's throttling decides."""
+    b = replace(read_bundle(LIMITED_QUICK), verdict=None)
+    f = Facts(b)
+    assert len(b.samples) == 2 and not f.running and not f.waiting and not f.engine_queued
+    assert f.engine_runnable and f.engine_throttling is None  # too short a span to read the limit's periods
+    v = classify(b)
+    assert v.verdict is VerdictKind.IDLE and v.confidence < CERTAIN
+    step = next_step(v, 2, b.samples[-1].t - b.samples[0].t, SamplerOptions(window_s=8.0), False, False)
+    assert not step.stop

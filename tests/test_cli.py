@@ -1,6 +1,7 @@
 """The CLI end to end in a subprocess: outputs, JSON shape, and an exit code for every bad input."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -270,3 +271,25 @@ def test_diagnose_is_a_thin_command():
     source = inspect.getsource(diagnose)
     body = source[source.index(") -> None:\n") + len(") -> None:\n"):]
     assert len(body.strip().splitlines()) <= 30, body
+
+
+SCRIPT = Path(sys.executable).with_name("wedgectl")  # the console script completion is installed for
+
+
+@pytest.mark.parametrize(("shell", "env", "want"), [
+    ("bash", {"COMP_WORDS": "wedgectl diagnose --js", "COMP_CWORD": "2"}, "--json"),
+    ("bash", {"COMP_WORDS": "wedgectl dia", "COMP_CWORD": "1"}, "diagnose"),
+    ("zsh", {"_TYPER_COMPLETE_ARGS": "wedgectl rep"}, '"repro":"Reproduce a hang class'),
+    ("fish", {"_TYPER_COMPLETE_ARGS": "wedgectl wat", "_TYPER_COMPLETE_FISH_ACTION": "get-args"}, "watch\t"),
+])
+def test_shell_completion_completes_commands_and_options(shell: str, env: dict[str, str], want: str) -> None:
+    """What the script `wedgectl --install-completion` installs asks the command itself, through these variables."""
+    r = subprocess.run([str(SCRIPT)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "_WEDGECTL_COMPLETE": f"complete_{shell}", **env})
+    assert r.returncode == 0 and want in r.stdout, (r.stdout, r.stderr)
+
+
+def test_show_completion_prints_the_script_for_the_shell_it_runs_in() -> None:
+    r = subprocess.run(["bash", "-c", f"{SCRIPT} --show-completion"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "_WEDGECTL_COMPLETE=complete_bash" in r.stdout, r.stdout + r.stderr

@@ -303,3 +303,17 @@ def test_cli_swap_dry_run_prints_the_plan_without_secrets(fake_server):
 def test_cli_repro_patched_cannot_keep():
     r = run("repro", "idle", "--patched", "--keep")
     assert r.returncode == exitcodes.USAGE
+
+
+def test_the_plan_says_what_swap_sets_apart_from_what_the_server_had(fake_server):
+    """A repro's server carries its own WEDGE_ENGINE_FAULT: the plan shows it kept, not as something swap sets."""
+    p, _url = fake_server()
+    plan = swap.plan_swap(p.pid)
+    plan = dataclasses.replace(plan, env={**plan.env, "WEDGE_ENGINE_FAULT": "engine-stall",
+                                          "WEDGE_ENGINE_STATUS_FILE": "/run/old-status.json"})
+    lines = list(render_swap_plan(plan))
+    (env_line,) = [ln for ln in lines if ln.startswith("  environment:")]
+    assert "swap sets WEDGE_ENGINE_FIXES=all" in env_line and "WEDGE_ENGINE_FAULT" not in env_line
+    assert env_line.endswith("drops WEDGE_ENGINE_STATUS_FILE")
+    assert "  kept as the server had them: WEDGE_ENGINE_FAULT=engine-stall" in lines
+    assert plan.new_env["WEDGE_ENGINE_FAULT"] == "engine-stall"  # kept indeed

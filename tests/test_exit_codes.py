@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cli_run import CLI_TIMEOUT_S, REPO, kill_tree, one_line, run_cli
+from cli_run import CLI_TIMEOUT_S, REPO, gone_pid, kill_tree, one_line, run_cli
 from wedgectl.model import exitcodes
 from wedgectl.model.types import VerdictKind
 
@@ -41,14 +41,7 @@ NOBODY = 65534
 # ------------------------------------------------------------------ 5: probes --pid, the process is gone
 
 
-def _gone_pid() -> int:
-    """The pid of a child of ours that has exited and been reaped (and not been reused since)."""
-    for _ in range(20):
-        child = subprocess.Popen(["true"])
-        child.wait(timeout=30)
-        if not os.path.exists(f"/proc/{child.pid}"):
-            return child.pid
-    pytest.fail("every pid of an exited child was reused at once")
+_gone_pid = gone_pid
 
 
 def test_5_probes_on_a_process_that_is_gone() -> None:

@@ -281,12 +281,13 @@ def _collective_verdict(f: Facts) -> Verdict:
         summary = (f"Collective hang: every rank waits inside the collective ({collective}) for "
                    f"{fmt_duration(waited)}; none lags on the host: the fabric, the library or a kernel.")
         confidence = COLLECTIVE_ALL_INSIDE
+    reading = ("a lagging rank in cudaStreamSynchronize / cuEventSynchronize means a kernel before the collective "
+               "never finished (a device fault or a hung kernel: check the device next); in Python or host code it "
+               "means the rank never arrived (a host-side bug or a desynchronised code path: its stack names where).")
     advice = (
-        "Capture native stacks (`wedgectl diagnose --pid PID --native`; py-spy pauses each rank while it unwinds, "
-        "~50 ms idle, seconds on a loaded host): a lagging rank in "
-        "cudaStreamSynchronize / cuEventSynchronize means a kernel before the collective never finished (a device "
-        "fault or a hung kernel: check the device next); in Python or host code it means the rank never arrived "
-        "(a host-side bug or a desynchronised code path: its stack names where).",
+        (f"Read the ranks' native frames above: {reading}" if f.native_captured else
+         "Capture native stacks (`wedgectl diagnose --pid PID --native`; py-spy pauses each rank while it unwinds, "
+         f"~50 ms idle, seconds on a loaded host): {reading}"),
         "Dump the flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE set: `torch.distributed` dump, or SIGUSR1 "
         "with TORCH_NCCL_DUMP_ON_TIMEOUT): if it shows the collective's sequence number on some ranks only, "
         "those ranks arrived; equal numbers on all with the op not completed point at the fabric. It sees only c10d "

@@ -81,6 +81,10 @@ PROGRESSING_LIVE = 0.9
 IDLE_LIVE = 0.9
 # Nothing running or waiting by the gauges, yet the engine burns CPU: gauges may be stale.
 IDLE_ENGINE_BUSY = 0.6
+# Nothing running or waiting by the gauges, yet a thread of the engine, under a CPU limit, is runnable: an idle
+# engine sleeps, and one its limit holds back may not have published the request it was handed. Not certain,
+# so the capture runs its window and reads the limit's throttling (Facts.engine_throttled).
+IDLE_ENGINE_HELD = 0.7
 
 # --- log rules ---------------------------------------------------------------
 

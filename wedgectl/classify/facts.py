@@ -388,6 +388,11 @@ class Facts:
                     out[d.pid] = d
         return out
 
+    @cached_property
+    def native_captured(self) -> bool:
+        """The stacks were taken with native frames (--native): advice must not ask for them again."""
+        return any(stk.has_native(d) for d in self.stacks.values())
+
     def stack_burst(self, pid: int) -> list[StackDump]:
         """Every good dump of pid from the last sample that has any (the end-of-window burst)."""
         for s in reversed(self.samples):

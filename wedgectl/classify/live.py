@@ -294,11 +294,10 @@ def _engine_deadlock_verdict(f: Facts) -> Verdict:
         ev.append(Evidence("proc",
                            f"API server pid {api.pid} still listening on {', '.join(api.listening)} and answering "
                            "/metrics"))
-    advice: tuple[str, ...] = (
+    advice: tuple[str, ...] = () if f.native_captured else (
         "Capture native stacks of the EngineCore and Workers (`wedgectl diagnose --pid PID --native`): "
-        "the innermost frame names the kernel, collective or lock it waits on.",
-        "Restart the server; /health stays 200, so point liveness probes at the patched engine's heartbeat.",
-    )
+        "the innermost frame names the kernel, collective or lock it waits on.",)
+    advice += ("Restart the server; /health stays 200, so point liveness probes at the patched engine's heartbeat.",)
     if not f.saw_processes:
         advice += (_METRICS_ONLY_ADVICE.format("see where the engine is parked"),)
     return Verdict(
@@ -390,7 +389,8 @@ def live_idle(f: Facts) -> bool:
 
 def _idle_verdict(f: Facts) -> Verdict:
     return Verdict(
-        VerdictKind.IDLE, C.IDLE_ENGINE_BUSY if f.engine_spinning else C.IDLE_LIVE,
+        VerdictKind.IDLE,
+        C.IDLE_ENGINE_BUSY if f.engine_spinning else C.IDLE_ENGINE_HELD if f.engine_runnable else C.IDLE_LIVE,
         "Idle: no request running or waiting.",
         "live_idle", present(metrics_evidence(f, "0 running, 0 waiting"), engine_cpu_evidence(f)),
     )

@@ -260,6 +260,7 @@ def _startup_verdict(f: Facts, live: bool) -> Verdict:
         f"({pids or 'the API server and its engine processes'}), "
         "not only the API server, or its engine processes live on as orphans holding memory and the device.",
         _PHASE_ADVICE.get(s.phase,
+                          "The innermost frames above name what it waits on." if f.native_captured else
                           "Capture native stacks (`wedgectl diagnose --pid PID --native`): the innermost frame names "
                           "what it waits on."),
         "Bound start-up: the patched engine fails it with a clear error after WEDGE_ENGINE_STARTUP_S; "

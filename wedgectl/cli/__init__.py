@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 from typer.core import TyperGroup
@@ -46,7 +46,7 @@ app = typer.Typer(
     name="wedgectl",
     help="Tell apart the ways a vLLM server hangs while looking healthy.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion, --show-completion: bash, zsh, fish (and powershell)
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -57,6 +57,15 @@ app.add_typer(runtime_app, name="runtime")
 def _echo(lines: Iterable[str]) -> None:
     for line in lines:
         typer.echo(redact_text(line))  # the renderers redact before wrapping; this is the last guard
+
+
+def _finish(lines: Iterable[str], as_json: bool, code: int) -> NoReturn:
+    """Print a command's result and exit with `code`; with --json, the object says that code and the schema
+    version too (render.text.with_status)."""
+    from wedgectl.render.text import with_status
+
+    _echo([with_status("\n".join(lines), code)] if as_json else lines)
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -122,8 +131,7 @@ def diagnose(
                                     ebpf=ebpf.value, low_priority=low_priority, urgent=urgent)
     found = diagnosis.diagnose(pid=pid, url=url, log=log, bundle=bundle, save_to=save_bundle, options=options,
                                progress=say)
-    _echo(render_diagnosis(found, as_json))
-    raise typer.Exit(exitcodes.for_verdict(found.verdict.verdict))
+    _finish(render_diagnosis(found, as_json), as_json, exitcodes.for_verdict(found.verdict.verdict))
 
 
 @app.command()
@@ -150,12 +158,19 @@ def repro(
     window: Annotated[float,
                       typer.Option("--window", callback=checks.seconds, help="Diagnosis window in seconds.")] = 6.0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
+    stop: Annotated[bool,
+                    typer.Option("--stop", help="Stop the kept repro NAME (--keep; or the one whose server has that "
+                                                "pid): its server and its clients, by the pids and start times "
+                                                "recorded when it was kept.")] = False,
+    stop_all: Annotated[bool, typer.Option("--stop-all", help="Stop every kept repro.")] = False,
 ) -> None:
     """Reproduce a hang class on a real vLLM server and diagnose it; exit 0 only when the verdict matches."""
     from wedgectl.render.text import render_patched, render_repro, render_repro_list
     from wedgectl.lab.repro import find_config, list_configs, run_repro
     from wedgectl.lab.runtime.install import install_runtime, is_installed, runtime_dir, venv_python
 
+    if stop or stop_all:
+        _stop_kept(name, stop_all, as_json, quiet)
     if list_ or name is None:
         _echo(render_repro_list(list_configs()))
         raise typer.Exit(0 if list_ else exitcodes.USAGE)
@@ -176,13 +191,38 @@ def repro(
         from wedgectl.lab.patched import run_patched
 
         outcome = run_patched(cfg, python=python, out_dir=out, progress=say)
-        _echo(render_patched(outcome, as_json))
-        raise typer.Exit(0 if outcome.passed else exitcodes.REPRO_FAILED)
+        _finish(render_patched(outcome, as_json), as_json, 0 if outcome.passed else exitcodes.REPRO_FAILED)
     result = run_repro(cfg, python=python, out_dir=out, keep=keep, window_s=window, progress=say)
     if result.verdict is None:
-        raise typer.Exit(exitcodes.REPRO_FAILED)
-    _echo(render_repro(result, as_json, keep=keep))
-    raise typer.Exit(0 if result.matched else exitcodes.REPRO_FAILED)
+        raise WedgectlError(f"repro {cfg.name}: no verdict: {'; '.join(result.notes) or 'the diagnosis did not run'}",
+                            exitcodes.REPRO_FAILED)
+    _finish(render_repro(result, as_json, keep=keep), as_json, 0 if result.matched else exitcodes.REPRO_FAILED)
+
+
+def _stop_kept(name: str | None, every: bool, as_json: bool, quiet: bool) -> NoReturn:
+    """`repro --stop NAME` / `--stop-all`: end kept repros; exit 0, or 2 when NAME names none."""
+    from wedgectl.lab import kept
+    from wedgectl.render.text import dumps
+
+    if every == (name is not None):
+        raise typer.BadParameter("give --stop NAME, or --stop-all alone")
+    records = kept.list_kept()
+    chosen = records if every else [(p, k) for p, k in records if name in (k.name, str(k.pid))]
+    if not every and not chosen:
+        names = sorted({k.name for _p, k in records})
+        raise WedgectlError(f"no kept repro named {name!r} (kept: {', '.join(names) or 'none'})", exitcodes.USAGE)
+    say = (lambda _m: None) if quiet or as_json else _progress
+    done = []
+    for path, k in chosen:
+        stopped = kept.stop(path, k, say)
+        done.append({"name": k.name, "pid": k.pid, "url": k.url, "was_running": stopped is not None,
+                     "seconds": round(stopped.seconds, 2) if stopped else None,
+                     "killed": stopped.killed if stopped else False})
+    lines = [dumps({"stopped": done})] if as_json else [
+        f"{d['name']}: pid {d['pid']} " + (f"stopped in {d['seconds']:g} s" + (" (SIGKILL)" if d["killed"] else "")
+                                           if d["was_running"] else "had already gone; record removed")
+        for d in done] or ["no kept repros"]
+    _finish(lines, as_json, 0)
 
 
 @app.command()
@@ -274,41 +314,46 @@ def probes(
     if pid is None:
         statuses = ebpfhost.detect_backends(names, verify=verify)
         chosen = ebpfhost.choose_backend(statuses)
-        if as_json:
-            typer.echo(dumps({"backends": to_jsonable(statuses), "chosen": chosen.name if chosen else None}))
-        else:
-            for line in render_backends(statuses, chosen.name if chosen else None,
-                                        ebpfhost.program_summaries(programs.ALL_PROBES), ebpfhost.kernel_label(),
-                                        ebpfhost.host_notes()):
-                typer.echo(line)
         available = chosen is not None and chosen.name in ebpfhost.EBPF_BACKENDS
-        raise typer.Exit(programs.EXIT_OK if available else programs.EXIT_NO_BACKEND)
+        code = programs.EXIT_OK if available else programs.EXIT_NO_BACKEND
+        if as_json:
+            _finish([dumps({"backends": to_jsonable(statuses), "chosen": chosen.name if chosen else None})], True,
+                    code)
+        for line in render_backends(statuses, chosen.name if chosen else None,
+                                    ebpfhost.program_summaries(programs.ALL_PROBES), ebpfhost.kernel_label(),
+                                    ebpfhost.host_notes()):
+            typer.echo(line)
+        raise typer.Exit(code)
     if not ebpf.pids_exist([pid]):
-        typer.echo(f"wedgectl: no such process: {pid}", err=True)
-        raise typer.Exit(programs.EXIT_GONE)
+        raise WedgectlError(f"no such process: {pid}", programs.EXIT_GONE)
     control.handle_interrupt_unless_handled(_note_interrupt)  # run_probes keeps a Ctrl-C to itself: noted here
     say = None if quiet or as_json and not sys.stderr.isatty() else _progress
     if say is not None:
         say(f"attaching the probes to pid {pid} and its descendants")
     records, failures = ebpf.run_probes(ebpf.expand_tree([pid]), seconds, probes=names, backend=backend,
                                         progress=say)
-    if as_json:
-        typer.echo(dumps({"probes": to_jsonable(records), "failures": to_jsonable(failures)}))
-    else:
-        for line in render_threads(records):
-            typer.echo(line)
-        for f in failures:
-            typer.echo(f"could not: {f.kind.value}: {f.message}"[:200], err=True)
     # as the probe tools (probes/_tool.py): a forced eBPF back-end that fell back to /proc reported nothing;
     # a Ctrl-C during its attach is the user's own end of the window (the /proc results, exit 0)
     header = records[0] if records else None
     fell_back = header is not None and backend.value in ebpfhost.EBPF_BACKENDS and header.backend != backend.value
-    if header is None or (fell_back and not _interrupted):
+    failed = header is None or (fell_back and not _interrupted)
+    code = programs.EXIT_FAILED if failed else programs.EXIT_OK
+    why = None
+    if failed:
         why = "the probes reported nothing" if header is None else \
-            f"{backend.value} reported nothing; the results above are /proc's"
+            f"{backend.value} reported nothing; the results are /proc's"
+    if as_json:
+        if why is not None:
+            typer.echo(f"wedgectl: {why}", err=True)
+        _finish([dumps({"probes": to_jsonable(records), "failures": to_jsonable(failures),
+                        **({"error": why} if why else {})})], True, code)
+    for line in render_threads(records):
+        typer.echo(line)
+    for f in failures:
+        typer.echo(f"could not: {f.kind.value}: {f.message}"[:200], err=True)
+    if why is not None:
         typer.echo(f"wedgectl: {why}", err=True)
-        raise typer.Exit(programs.EXIT_FAILED)
-    raise typer.Exit(programs.EXIT_OK)
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -349,9 +394,10 @@ def swap(
     say = (lambda _m: None) if quiet or as_json and not sys.stderr.isatty() else _progress
     result = swap_deployment(pid, dry_run=dry_run, progress=say, health_timeout_s=health_timeout,
                              stop_grace_s=stop_grace, force=force)
+    code = 0 if result.ok else exitcodes.INTERRUPTED if result.interrupted else exitcodes.SWAP_FAILED
     with contextlib.suppress(OSError):  # a terminal gone with SIGHUP: the swap itself is done
-        _echo(render_swap(result, as_json))
-    raise typer.Exit(0 if result.ok else exitcodes.INTERRUPTED if result.interrupted else exitcodes.SWAP_FAILED)
+        _finish(render_swap(result, as_json), as_json, code)
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -487,7 +533,7 @@ def runtime_list(
     from wedgectl.lab.runtime.install import installed_runtimes
     from wedgectl.render.text import render_runtimes
 
-    _echo(render_runtimes(installed_runtimes(), as_json))
+    _finish(render_runtimes(installed_runtimes(), as_json), as_json, 0)
 
 
 @runtime_app.command("path")
@@ -541,8 +587,22 @@ def _note_interrupt(_sig: object) -> None:
     raise KeyboardInterrupt
 
 
+def _error(message: str, code: int, as_json: bool) -> NoReturn:
+    """One line on stderr; with --json, also one object on stdout (`error`, `exit_code`, `schema_version`)."""
+    print(f"wedgectl: {message}", file=sys.stderr)
+    if as_json:
+        from wedgectl.render.text import error_json
+
+        with contextlib.suppress(OSError):
+            print(error_json(message, code), flush=True)
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: domain errors become one line on stderr and their exit code."""
+    """Entry point: domain errors become one line on stderr and their exit code (with --json, a JSON object
+    on stdout too)."""
+    args = sys.argv[1:] if argv is None else argv
+    as_json = "--json" in args[:args.index("--")] if "--" in args else "--json" in args
     try:
         rc = app(args=argv, standalone_mode=False)
         if rc == exitcodes.INTERRUPTED and _interrupted:
@@ -551,23 +611,18 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except WedgectlError as exc:
-        print(f"wedgectl: {_one_line(redact_text(str(exc)))}", file=sys.stderr)
-        sys.exit(exc.exit_code)
+        _error(_one_line(redact_text(str(exc))), exc.exit_code, as_json)
     except KeyboardInterrupt:
-        print("wedgectl: interrupted", file=sys.stderr)
-        sys.exit(130)
+        _error("interrupted", 130, as_json)
     except typer.Abort:
         sys.exit(130)
     except Exception as exc:  # click's usage errors (typer vendors click) and anything unexpected
         if hasattr(exc, "show") and hasattr(exc, "exit_code") and isinstance(exc.exit_code, int):
             if exc.exit_code == exitcodes.USAGE and type(exc).__name__ != "NoArgsIsHelpError":
-                print(redact_text(f"wedgectl: {_usage_line(exc)}"), file=sys.stderr)  # the value may be a URL's token
-            else:
-                exc.show()
+                _error(redact_text(_usage_line(exc)), exc.exit_code, as_json)  # the value may be a URL's token
+            exc.show()
             sys.exit(exc.exit_code)
         if os.environ.get("WEDGECTL_DEBUG"):
             raise
-        print(redact_text(f"wedgectl: internal error: {type(exc).__name__}: {exc} (WEDGECTL_DEBUG=1 shows the "
-                          "traceback)"),
-              file=sys.stderr)
-        sys.exit(exitcodes.INTERNAL)
+        _error(redact_text(f"internal error: {type(exc).__name__}: {exc} (WEDGECTL_DEBUG=1 shows the traceback)"),
+               exitcodes.INTERNAL, as_json)

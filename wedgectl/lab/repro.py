@@ -24,11 +24,16 @@ from wedgectl.lab.lifecycle import (Server, detach, health_client, health_status
                                     stop_server)
 from wedgectl.collect.control import Signal, free_port, stop_tree
 from wedgectl.read.metrics import MetricsParseError, MetricsSnapshot, parse_metrics
+from wedgectl.lab import kept
 from wedgectl.lab.engine_install import FIXES_ENV, ensure_engine_plugin
 from wedgectl.model.types import Role, Verdict
 
 REPROS_DIR = Path(__file__).with_name("repros")
 HOLDER_STOP_S = 5.0  # the clients' process writes its results and exits on SIGTERM
+# How long a kept repro (--keep) stays hung: its clients hold their requests open this long, and vLLM's own
+# step timeout (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 s in 0.32) is raised to it, or it would end an
+# engine deadlock after five minutes.
+KEEP_S = 3600
 STREAM_BACKOFF_S = 0.5  # a stream's pause after an error or a refusal
 
 
@@ -386,6 +391,7 @@ class ReproResult:
     client_results: list[dict[str, Any]]
     symptom_s: float | None
     notes: list[str]
+    stop_with: str | None = None  # for a kept repro: the command that ends it
 
     @property
     def matched(self) -> bool:
@@ -464,6 +470,8 @@ def run_repro(
     from wedgectl.capture.window import capture
 
     env = {**cfg.env, **(FIXES_ENV if patched else {})}
+    if keep:
+        env = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(KEEP_S), **env}
     out_dir = out_dir or Path.cwd() / "wedgectl-repro" / cfg.name
     server, log_path = start_repro_server(cfg, env, python, out_dir, progress)
     notes: list[str] = []
@@ -472,11 +480,12 @@ def run_repro(
     verdict: Verdict | None = None
     bundle_path: Path | None = None
     symptom_s: float | None = None
+    stop_with: str | None = None
     try:
         if keep or cfg.separate_clients:
             # The clients must outlive wedgectl, or vLLM aborts their requests and the hang is gone.
             holder = start_detached([sys.executable, "-P", "-m", "wedgectl.lab._hold", server.url, str(server.pid),
-                                     str(cfg.path), str(out_dir / "client.json")])
+                                     str(cfg.path), str(out_dir / "client.json"), str(KEEP_S)])
         else:
             workload.start_now()
         history: list[tuple[float, MetricsSnapshot]] = []
@@ -524,8 +533,16 @@ def run_repro(
     finally:
         if keep:
             detach(server)
+            stop_with = f"wedgectl repro --stop {cfg.name}"
+            try:
+                kept.record(kept.new_record(cfg.name, server.pid, server.url, holder.pid if holder else None,
+                                            out_dir, KEEP_S))
+            except (OSError, WedgectlError) as exc:
+                stop_with = f"kill -TERM -- -{server.pid}"  # its own session: the group is the whole server
+                notes.append(f"not recorded for --stop ({exc}); stop it with: {stop_with}")
             progress(f"--keep: server left running, pid {server.pid}, {server.url}; its clients: pid "
-                     f"{holder.pid if holder else '?'} (they hold the requests open for up to 1 h)")
+                     f"{holder.pid if holder else '?'} (they hold the requests open for {KEEP_S // 60} min); "
+                     f"stop it with: {stop_with}")
         else:
             # The clients first: what they record from here on is a server going away.
             if holder is not None:
@@ -540,4 +557,5 @@ def run_repro(
             results = json.loads((out_dir / "client.json").read_text())
         except (OSError, ValueError):
             pass
-    return ReproResult(cfg, verdict, server.pid, server.url, bundle_path, log_path, results, symptom_s, notes)
+    return ReproResult(cfg, verdict, server.pid, server.url, bundle_path, log_path, results, symptom_s, notes,
+                       stop_with)

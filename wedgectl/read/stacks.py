@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Callable
 from typing import Any
 
@@ -145,19 +147,62 @@ def main_thread(dump: StackDump) -> Thread | None:
     return next((t for t in dump.threads if t.get("thread_name") == "MainThread"), None)
 
 
+_PLUMBING = {"wait", "select", "poll", "_recv", "recv", "get", "run", "_bootstrap", "_bootstrap_inner"}
+_NATIVE_PLUMBING = _PLUMBING | {"read", "epoll_wait", "epoll_pwait", "futex", "syscall", "__libc_recv",
+                                "pthread_cond_wait", "pthread_cond_timedwait", "sem_wait", "sem_timedwait"}
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+_NATIVE_FILE = re.compile(r"\.so(?:\.[0-9]+)*$|\.(?:c|cc|cpp|cxx|h|hpp)$")
+
+
+def _unwound_native(f: dict[str, Any]) -> bool:
+    """A frame py-spy --native unwound from machine code: a shared object's or a C/C++ source's, or a bare address
+    (not a .py file, nor the pseudo-files of generated Python code, which is_native_frame also counts)."""
+    file = str(f.get("filename") or "")
+    return bool(_NATIVE_FILE.search(file)) or bool(_ADDRESS.fullmatch(str(f.get("name") or "")))
+
+
+def _frame_text(f: dict[str, Any]) -> str:
+    filename = f.get("short_filename") or f.get("filename") or "?"
+    line = f.get("line")
+    return f"{f.get('name', '?')} ({filename}:{line})" if line else f"{f.get('name', '?')} ({filename})"
+
+
 def innermost_interesting(dump: StackDump) -> str | None:
-    """The innermost frame of the main thread (else any thread) that is not interpreter plumbing."""
+    """The innermost frame of the main thread (else any thread) that is not interpreter plumbing.
+
+    With native frames (--native), the Python frame stays the subject, and the innermost named native frame
+    above it is added ("X (file.py:N), in native Y (lib)"): a bare address in libc says nothing on its own."""
     main = main_thread(dump)
     for t in ([main] if main else []) + [t for t in dump.threads if t is not main]:
-        names = frame_names(t)
-        if not names:
+        frames = [f for f in t.get("frames") or () if isinstance(f, dict)]
+        if not frames:
             continue
-        for n in names:
-            fn = base_name(n.split(" ")[0])
-            if fn in ("wait", "select", "poll", "_recv", "recv", "get", "run", "_bootstrap", "_bootstrap_inner"):
+        natives: list[dict[str, Any]] = []
+        for f in frames:
+            if _unwound_native(f):
+                natives.append(f)
                 continue
-            return n
+            if base_name(f.get("name")) in _PLUMBING:
+                continue
+            return _with_native(_frame_text(f), natives)
+        if natives:  # a thread with no telling Python frame: its innermost named native one
+            named = [f for f in natives if not _ADDRESS.fullmatch(str(f.get("name") or ""))]
+            telling = [f for f in named if base_name(f.get("name")) not in _NATIVE_PLUMBING]
+            return _frame_text((telling or named or natives)[0])
     return None
+
+
+def _with_native(python: str, natives: list[dict[str, Any]]) -> str:
+    named = [f for f in natives if not _ADDRESS.fullmatch(str(f.get("name") or ""))]
+    telling = [f for f in named if base_name(f.get("name")) not in _NATIVE_PLUMBING]
+    if not (telling or named):
+        return python
+    return f"{python}, in native {_frame_text((telling or named)[0])}"
+
+
+def has_native(dump: StackDump) -> bool:
+    """Whether the dump was taken with native frames (--native)."""
+    return any(_unwound_native(f) for t in dump.threads for f in t.get("frames") or () if isinstance(f, dict))
 
 
 # --- collectives: where a rank of a parallel group is, relative to the collective its step needs.

@@ -52,6 +52,24 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj, indent=2, default=str)
 
 
+# The version of every --json object's shape: raised when a key is renamed or removed, or changes meaning
+# (a key added is not a new version). Every object carries it and the command's exit status.
+SCHEMA_VERSION = 1
+
+
+def with_status(text: str, code: int) -> str:
+    """A command's --json object with its exit status and the schema version added."""
+    obj = json.loads(text)
+    if isinstance(obj, dict):
+        obj.update(exit_code=code, schema_version=SCHEMA_VERSION)
+    return dumps(obj)
+
+
+def error_json(message: str, code: int) -> str:
+    """What --json prints on stdout for an error (bad input, a refusal, an interruption)."""
+    return json.dumps({"error": message, "exit_code": code, "schema_version": SCHEMA_VERSION})
+
+
 def _fmt_value(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:g}"
@@ -251,9 +269,11 @@ def render_repro(result: ReproResult, as_json: bool, keep: bool = False) -> Iter
     """A repro's diagnosis: the verdict against the expected one, and where its bundle and log are."""
     cfg = result.config
     if as_json and result.verdict is not None:
+        extra = {"stop_with": result.stop_with} if result.stop_with else {}
         yield dumps(verdict_to_json(result.verdict, expected=cfg.expected, pid=result.pid, url=result.url,
                                     bundle=str(result.bundle_path), log=str(result.log_path),
-                                    symptom_s=result.symptom_s, client=result.client_results, notes=result.notes))
+                                    symptom_s=result.symptom_s, client=result.client_results, notes=result.notes,
+                                    **extra))
         return
     yield from _repro_text(result, keep)
 
@@ -270,6 +290,8 @@ def _repro_text(result: ReproResult, keep: bool) -> Iterator[str]:
     if keep:
         yield f"pid: {result.pid}"
         yield f"url: {redact_url(result.url)}"
+        if result.stop_with:
+            yield f"stop it with: {result.stop_with}"
 
 
 def render_patched(result: PatchedResult, as_json: bool = False) -> Iterator[str]:
@@ -295,7 +317,10 @@ def _patched_text(result: PatchedResult) -> Iterator[str]:
 @_text
 def render_swap_plan(plan: SwapPlan) -> Iterator[str]:
     """What a swap will do, secrets redacted."""
-    fixes = {k: v for k, v in plan.new_env.items() if k.startswith("WEDGE_ENGINE_")}
+    sets = {k: v for k, v in plan.new_env.items() if plan.env.get(k) != v}  # what swap itself sets
+    kept_engine = {k: v for k, v in plan.env.items() if k.startswith("WEDGE_ENGINE_") and k in plan.new_env
+                   and k not in sets}
+    dropped = sorted(k for k in plan.env if k not in plan.new_env)
     yield f"swap plan for the vLLM server pid {plan.api_pid} at {redact_url(plan.url)}"
     yield (f"  processes to stop: {' '.join(map(str, plan.tree))} (SIGTERM to {plan.api_pid}, "
            f"SIGKILL after {plan.stop_grace_s:g} s)")
@@ -305,8 +330,11 @@ def render_swap_plan(plan: SwapPlan) -> Iterator[str]:
     yield f"  plugin: {plan.plugin}" + ("" if plan.plugin_ok else " -> install the bundled engine/ first")
     if plan.supervisor is not None:
         yield f"  supervisor: {plan.supervisor.kind} ({plan.supervisor.why}): swap needs --force"
-    yield (f"  environment: {len(plan.env)} variables kept; "
-           f"set {', '.join(f'{k}={v}' for k, v in sorted(fixes.items()))}")
+    yield (f"  environment: {len(plan.env) - len(dropped)} variables kept; swap sets "
+           f"{', '.join(f'{k}={v}' for k, v in sorted(sets.items())) or 'nothing new'}"
+           + (f"; drops {', '.join(dropped)}" if dropped else ""))
+    if kept_engine:  # the deployment's own (a repro's fault, say): kept as they are, not set by swap
+        yield f"  kept as the server had them: {', '.join(f'{k}={v}' for k, v in sorted(kept_engine.items()))}"
     yield f"  log: {plan.log_path or 'a new file under the wedgectl cache'}"
     yield f"  then: wait for {redact_url(plan.url)}/health; if it never answers 200, start the original command again"
     if plan.secret_names:

@@ -23,7 +23,8 @@ from wedgectl.read.redact import printable, redact_text
 from wedgectl.model.types import Bundle
 from wedgectl.watch.exposition import DEFAULT_LISTEN, Endpoint, Snapshot, WebConfig
 from wedgectl.watch.recorder import Rotation, check_bundle_dir, save_onset
-from wedgectl.watch.state import Episode, Escalation, Tracker, iso, queue_of
+from wedgectl.render.text import SCHEMA_VERSION
+from wedgectl.watch.state import Episode, Escalation, Tracker, hang_onset, is_hang, iso, queue_of
 from wedgectl.watch.targets import Spec, Watched, host_deployments, node_name
 
 ONSET_WINDOW_S = 6.0  # the onset bundle's own capture (stops early once certain), probes alongside
@@ -62,7 +63,8 @@ class WatchOptions:
 def episode_lines(event: str, ep: Episode, as_json: bool, now: float) -> Iterator[str]:
     """One line per transition: 'start' when a target enters a hang class, 'end' when it leaves."""
     if as_json:
-        yield json.dumps({"event": f"episode_{event}", **ep.to_json(now)}, separators=(",", ":"))
+        yield json.dumps({"event": f"episode_{event}", **ep.to_json(now), "schema_version": SCHEMA_VERSION},
+                         separators=(",", ":"))
         return
     tail = f"bundle {ep.bundle}" if ep.bundle else "no bundle"
     if event == "start":  # printable: the target's name carries a model_name the server chose
@@ -138,7 +140,7 @@ class Watcher:
         with self._lock:
             self.watched[key] = w
             self.escalations[key] = Escalation()
-            self.trackers[key] = Tracker(w.name)  # shown (stale) even before its first evaluation ends
+            self.trackers[key] = Tracker(w.name, w.labels)  # shown (stale) even before its first evaluation ends
             self._share_budget()
         self.say(redact_text(f"watching {w.name} (pid {w.pid or '-'}, {w.deployment.base_url or 'no URL yet'})"))
 
@@ -202,10 +204,15 @@ class Watcher:
         window = w.window()
         verdict = classify(Bundle(w.manifest("captured by wedgectl watch"), window, w.log_tail(fresh=esc.full)))
         with self._lock:
-            tracker = self.trackers.setdefault(key, Tracker(w.name))
+            tracker = self.trackers.setdefault(key, Tracker(w.name, w.labels))
+            before = tracker.verdict.verdict if tracker.verdict is not None else None
+        onset = None
+        if verdict.verdict is not before and is_hang(verdict.verdict):  # dated once, as it begins
+            onset = hang_onset(verdict.verdict, verdict, tuple(w.samples), w.log_tail(), sample.t)
+        with self._lock:
             if tracker.last_evaluation is None:
-                tracker.name = w.name  # named from its first sample's model, never after
-            changed = tracker.observe(verdict, sample.t, queue_of(window))
+                tracker.name, tracker.labels = w.name, w.labels  # named from its first sample's model, never after
+            changed = tracker.observe(verdict, sample.t, queue_of(window), onset)
             esc.update(window, verdict.verdict)
         if changed is None:
             return
@@ -276,7 +283,7 @@ class Watcher:
     def snapshot(self) -> Snapshot:
         with self._lock:
             views = tuple(self.trackers[k].view(w.deployment.base_url, w.pid, self.escalations[k].full,
-                                                kept_bytes=w.kept_bytes, budget_exceeded=w.budget_exceeded)
+                                                kept_bytes=w.kept_bytes, budget_exceeded=w.budget_exceeded, up=w.up)
                           for k, w in self.watched.items() if k in self.trackers)
             return Snapshot(time.time(), self.options.grace_s, views, dict(self.failures))
 
