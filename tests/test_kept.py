@@ -101,3 +101,14 @@ def test_stop_from_the_command_line(cache: Path, stand_ins) -> None:
     assert r.returncode == 0 and r.stdout.strip() == "no kept repros", r
     r = run_cli("repro", "shutdown-hang", "--stop", "--stop-all", env=env)
     assert r.returncode == exitcodes.USAGE
+
+
+def test_a_kept_repro_lasts_as_long_as_its_output_says() -> None:
+    """vLLM 0.32 ends a step that never returns after VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s): a kept engine
+    deadlock would die at five minutes while its clients hold on for KEEP_S. Kept, the timeout is KEEP_S."""
+    from wedgectl.lab.repro import KEEP_S, find_config, repro_env
+
+    cfg = find_config("engine-deadlock")
+    assert repro_env(cfg, keep=True)["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == str(KEEP_S) == "3600"
+    assert "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS" not in repro_env(cfg)  # not kept: vLLM's own default
+    assert repro_env(cfg, keep=True)["WEDGE_ENGINE_FAULT"] == cfg.env["WEDGE_ENGINE_FAULT"]

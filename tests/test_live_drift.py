@@ -19,14 +19,14 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
+from page_server import page_server
 
 from wedgectl.capture.discover import BUNDLE_LOG_BYTES, deployment_manifest, discover, served_model
 from wedgectl.read.redact import redact_argv
@@ -50,27 +50,8 @@ def metrics_url() -> Iterator[str]:
     """A server on 127.0.0.1 answering /metrics with a recorded idle vLLM page, /health with 200."""
     page = (REAL / "metrics_idle.txt").read_bytes()
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
-            body = page if self.path.startswith("/metrics") else b""
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://probe:{PASSWORD}@127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+    with page_server(lambda path: page if path.startswith("/metrics") else b"") as url:
+        yield url.replace("http://", f"http://probe:{PASSWORD}@")
 
 
 @pytest.fixture(scope="module")

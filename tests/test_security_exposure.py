@@ -22,13 +22,13 @@ import socket
 import ssl
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
+
+from page_server import page_server
 import yaml
 
 from wedgectl.model.types import Evidence, Verdict, VerdictKind
@@ -62,25 +62,8 @@ def _page(model: str) -> bytes:
 def vllm_metrics():
     """A server on 127.0.0.1 answering /metrics with a page whose model_name is EVIL_MODEL."""
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
-            body = _page(EVIL_MODEL) if self.path.startswith("/metrics") else b"ok"
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=10)
+    with page_server(lambda path: _page(EVIL_MODEL) if path.startswith("/metrics") else b"ok") as url:
+        yield url
 
 
 def _tracker_in_a_wedge(name: str, now: float) -> Tracker:

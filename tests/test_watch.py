@@ -349,16 +349,17 @@ def _local(*when: int) -> float:
 
 
 def test_a_wedge_found_already_under_way_counts_from_vllms_first_frozen_stats_line():
-    """A real wedge's log (recorded): tokens last flowed at 08:37:49; at 08:37:59 vLLM logged 0 tokens/s with a
-    request waiting (the rest it logs at DEBUG). A watcher that first looks at 08:40:29 dates the hang 150 s back."""
+    """A real wedge's log (recorded): its 08:37:49 stats line still counted tokens; at 08:37:59 vLLM logged
+    0 tokens/s over the ten seconds since, with a request waiting (the rest it logs at DEBUG). No token came after
+    08:37:49: a watcher that first looks at 08:40:29 dates the hang from there, 160 s back."""
     lines = (BUNDLES / "admission-wedge.log").read_text().splitlines()
     now = _local(2026, 12, 1, 8, 40, 29)
     onset = hang_onset(V.ADMISSION_WEDGE, verdict(V.ADMISSION_WEDGE), (), lines, now)
-    assert onset == _local(2026, 12, 1, 8, 37, 59) == now - 150
+    assert onset == _local(2026, 12, 1, 8, 37, 49) == now - 160
     tr = Tracker("n:8000/tiny")
     ep = tr.observe(verdict(V.ADMISSION_WEDGE), now, 1, onset)
-    assert ep is not None and ep.start == now - 150
-    assert tr.view(None, None, True).state_seconds(now + 10) == 160.0
+    assert ep is not None and ep.start == now - 160
+    assert tr.view(None, None, True).state_seconds(now + 10) == 170.0
     # the lines before the hang alone (tokens flowing at their end) date nothing
     flowing = [ln for ln in lines if "08:37:59" not in ln]
     assert hang_onset(V.ADMISSION_WEDGE, verdict(V.ADMISSION_WEDGE), (), flowing, now) is None

@@ -44,6 +44,13 @@ class Diagnosis:
     saved: Path | None = None  # where --save-bundle wrote the evidence
     reclassified: bool = False
 
+    @property
+    def partial(self) -> bool:
+        """Ctrl-C ended the capture: the verdict rests on what was sampled by then."""
+        from wedgectl.capture.window import INTERRUPTED_NOTE
+
+        return not self.reclassified and any(n.startswith(INTERRUPTED_NOTE) for n in self.bundle.manifest.notes)
+
 
 def source_problem(pid: int | None, url: str | None, log: Path | None, bundle: Path | None) -> str | None:
     """Why these sources make no diagnosis (a usage error), or None: one source, or a live one plus its log."""
@@ -102,7 +109,7 @@ def capture_live(pid: int | None, url: str | None, log: Path | None, options: Li
     elif options.low_priority:
         priority.lower_priority()  # best effort: a refused nice or ioprio changes nothing but the priority
     opts = SamplerOptions(window_s=options.window_s, interval_s=options.interval_s, stacks=options.stacks,
-                          native=options.native, ebpf=options.ebpf, progress=progress)
+                          native=options.native, ebpf=options.ebpf, progress=progress, partial_on_interrupt=True)
     evidence = capture(pid=pid, url=url, log_path=log, options=opts)
     if urgent_note:
         evidence = replace(evidence, manifest=replace(evidence.manifest, notes=(*evidence.manifest.notes, urgent_note)))

@@ -21,3 +21,5 @@ class SamplerOptions:
     scrape_timeout_s: float = 4.0
     stack_burst: int = ESCALATE_BURST  # dumps of each engine process once a hang is open
     progress: Callable[[str], None] | None = None
+    # Ctrl-C ends the capture with what it has (diagnose: a partial verdict); else it goes on up (repro, watch)
+    partial_on_interrupt: bool = False

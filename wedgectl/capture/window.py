@@ -47,6 +47,9 @@ EXITED_NOTE = "the deployment exited mid-capture"
 MAX_IN_FLIGHT = 2  # scrapes of a slow server overlapping on the sampling clock
 
 
+INTERRUPTED_NOTE = "interrupted (Ctrl-C): the verdict is partial, drawn from what was sampled"
+
+
 def capture(pid: int | None = None, url: str | None = None, log_path: str | os.PathLike[str] | None = None,
             options: SamplerOptions = SamplerOptions()) -> Bundle:
     """Sample the target until the verdict is certain or the window ends; the bundle (verdict not set).
@@ -83,6 +86,7 @@ class Window:
         self.pending: deque[PendingSample] = deque()
         self.verdict: Verdict | None = None  # the last in-window verdict
         self.over = False  # stopped: a certain verdict, the window's end, or the deployment gone
+        self.interrupted = False  # Ctrl-C ended it: the bundle is what was sampled by then
         # The sampling clock: when the next sample is due; while a quick look is due, the grid's
         # next tick it replaced.
         self.due = time.monotonic()
@@ -107,6 +111,18 @@ class Window:
         self.decide_log = session.read_log(VERDICT_LOG_BYTES)[0]
 
     def run(self) -> Bundle:
+        try:
+            self._sample_until_over()
+        except KeyboardInterrupt:
+            # Ctrl-C: what was sampled so far is the evidence, marked partial (INTERRUPTED_NOTE); with no
+            # sample at all there is nothing to say, and the interrupt goes on.
+            if not self.samples or not self.options.partial_on_interrupt:
+                raise
+            self.interrupted = True
+            self.notes.append(f"{INTERRUPTED_NOTE} after {len(self.samples)} sample(s)")
+        return self._bundle()
+
+    def _sample_until_over(self) -> None:
         while not self.over:
             starved = restore_priority_if_starved()
             if starved:
@@ -125,7 +141,6 @@ class Window:
                 self._take(self.pending.popleft())
         # A stop leaves at most one scrape in flight: it is abandoned (its thread ends within the
         # scrape timeout), not waited for.
-        return self._bundle()
 
     def _begin_when_due(self) -> None:
         if time.monotonic() < self.due or len(self.pending) >= MAX_IN_FLIGHT:
@@ -210,7 +225,7 @@ class Window:
         or "progressing" (live counters moving; none is taken for it)."""
         last = self.samples[-1] if self.samples else None
         if (not self.options.stacks or self.burst_taken or last is None or not last.processes
-                or self.verdict is None):
+                or self.verdict is None or self.interrupted):  # interrupted: no py-spy after the Ctrl-C
             return
         final = self._final_verdict(log_lines)
         n = self.options.stack_burst if final.verdict in BURST_CLASSES and final.confidence < CERTAIN else 1

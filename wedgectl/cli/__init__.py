@@ -131,7 +131,9 @@ def diagnose(
                                     ebpf=ebpf.value, low_priority=low_priority, urgent=urgent)
     found = diagnosis.diagnose(pid=pid, url=url, log=log, bundle=bundle, save_to=save_bundle, options=options,
                                progress=say)
-    _finish(render_diagnosis(found, as_json), as_json, exitcodes.for_verdict(found.verdict.verdict))
+    # Ctrl-C mid-capture: the partial verdict is printed (and the bundle saved), and the exit says interrupted
+    code = exitcodes.INTERRUPTED if found.partial else exitcodes.for_verdict(found.verdict.verdict)
+    _finish(render_diagnosis(found, as_json), as_json, code)
 
 
 @app.command()
@@ -341,7 +343,7 @@ def probes(
     why = None
     if failed:
         why = "the probes reported nothing" if header is None else \
-            f"{backend.value} reported nothing; the results are /proc's"
+            f"{backend.value} reported nothing; the results {'' if as_json else 'above '}are /proc's"
     if as_json:
         if why is not None:
             typer.echo(f"wedgectl: {why}", err=True)

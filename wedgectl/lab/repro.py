@@ -456,6 +456,15 @@ def start_repro_server(
     return server, log_path
 
 
+def repro_env(cfg: ReproConfig, patched: bool = False, keep: bool = False) -> dict[str, str]:
+    """The server's environment beyond the launcher's defaults: the config's (its fault), the fixes when
+    patched, and for a kept repro vLLM's step timeout raised to KEEP_S (a config's own setting wins)."""
+    env = {**cfg.env, **(FIXES_ENV if patched else {})}
+    if keep:
+        env = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(KEEP_S), **env}
+    return env
+
+
 def run_repro(
     cfg: ReproConfig,
     python: str | None = None,
@@ -469,9 +478,7 @@ def run_repro(
     from wedgectl.capture.options import SamplerOptions
     from wedgectl.capture.window import capture
 
-    env = {**cfg.env, **(FIXES_ENV if patched else {})}
-    if keep:
-        env = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(KEEP_S), **env}
+    env = repro_env(cfg, patched, keep)
     out_dir = out_dir or Path.cwd() / "wedgectl-repro" / cfg.name
     server, log_path = start_repro_server(cfg, env, python, out_dir, progress)
     notes: list[str] = []

@@ -182,6 +182,8 @@ def render_diagnosis(diagnosis: Diagnosis, as_json: bool) -> Iterator[str]:
                              ranks=rank_summaries(b) or None)
     saved = str(diagnosis.saved) if diagnosis.saved is not None else None
     extra: dict[str, Any] = {"source": b.manifest.source, "bundle": saved, "collector_failures": failure_summary(b)}
+    if diagnosis.partial:
+        extra["partial"] = True
     if b.manifest.target.pid is not None:
         extra["pid"] = b.manifest.target.pid
     if b.manifest.target.url is not None:
@@ -198,6 +200,8 @@ def render_diagnosis(diagnosis: Diagnosis, as_json: bool) -> Iterator[str]:
 
 @_text
 def _report_text(verdict: Verdict, expected: str | None, extra: dict[str, Any]) -> Iterator[str]:
+    if extra.get("partial"):
+        yield "PARTIAL: interrupted (Ctrl-C) before the capture was over; the verdict rests on what it had sampled"
     yield from render_verdict(verdict, expected=expected)
     for f in extra.get("collector_failures") or ():
         yield from textwrap.wrap(redact_text(f"could not read: {f['collector']} {f['kind']}: {f['message']}")[:300],

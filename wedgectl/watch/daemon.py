@@ -208,7 +208,7 @@ class Watcher:
             before = tracker.verdict.verdict if tracker.verdict is not None else None
         onset = None
         if verdict.verdict is not before and is_hang(verdict.verdict):  # dated once, as it begins
-            onset = hang_onset(verdict.verdict, verdict, tuple(w.samples), w.log_tail(), sample.t)
+            onset = hang_onset(verdict.verdict, verdict, tuple(w.samples), w.log_tail(fresh=True), sample.t)
         with self._lock:
             if tracker.last_evaluation is None:
                 tracker.name, tracker.labels = w.name, w.labels  # named from its first sample's model, never after

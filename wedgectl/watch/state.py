@@ -239,25 +239,30 @@ def wall_time(stamp: str, now: float) -> float | None:
 
 
 def _stats_frozen_since(log_lines: Sequence[str], now: float) -> float | None:
-    """When vLLM's own stats lines first showed no tokens with requests in flight, after the last that showed
-    tokens: the run of such lines at the log's end (vLLM logs the first zero at INFO, the rest at DEBUG)."""
+    """Since when vLLM's own stats lines have shown no tokens with requests in flight: the run of such lines at
+    the log's end (vLLM logs the first zero at INFO, the rest at DEBUG) averages over the interval since the line
+    before it, so no token came after that line's stamp; with no line before the run, the run's first stamp."""
     if not log_lines:
         return None
+    stats = parse_log(log_lines).stats
     first = None
-    for line in reversed(parse_log(log_lines).stats):
+    for i in range(len(stats) - 1, -1, -1):
+        line = stats[i]
         if line.gen_tps > 0 or line.running + line.waiting < 1:
             break
-        first = line
-    if first is None or first.stamp is None:
+        first = i
+    if first is None:
         return None
-    return wall_time(first.stamp, now)
+    since = stats[first - 1] if first > 0 else stats[first]
+    return wall_time(since.stamp, now) if since.stamp is not None else None
 
 
 def hang_onset(kind: VerdictKind, verdict: Verdict, samples: Sequence[Sample], log_lines: Sequence[str],
                now: float) -> float | None:
     """When the evidence dates the hang `kind` from (Unix time), or None when it dates nothing before now:
     - frozen counters with work in flight across the kept samples (admission wedge, deadlock, collective);
-    - vLLM's own stats lines: the first of a run of "0.0 tokens/s" with requests in flight at the log's end;
+    - vLLM's own stats lines: a run of "0.0 tokens/s" with requests in flight at the log's end, from the line
+      before it (the interval the first zero averages over);
     - a shutdown: the first of the newest samples with the API server no longer listening;
     - a dead engine: the first of the newest samples with /health or /metrics failing;
     - a start-up: the time the classifier measured in its phase (facts["stuck_s"])."""
