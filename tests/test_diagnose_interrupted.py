@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from page_server import page_server
-from wedgectl.capture.window import INTERRUPTED_NOTE
+from wedgectl.capture.options import INTERRUPTED_NOTE
 from wedgectl.model import exitcodes
 from wedgectl.store.bundle import read_bundle
 

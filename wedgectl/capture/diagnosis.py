@@ -47,7 +47,7 @@ class Diagnosis:
     @property
     def partial(self) -> bool:
         """Ctrl-C ended the capture: the verdict rests on what was sampled by then."""
-        from wedgectl.capture.window import INTERRUPTED_NOTE
+        from wedgectl.capture.options import INTERRUPTED_NOTE
 
         return not self.reclassified and any(n.startswith(INTERRUPTED_NOTE) for n in self.bundle.manifest.notes)
 

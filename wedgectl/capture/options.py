@@ -23,3 +23,7 @@ class SamplerOptions:
     progress: Callable[[str], None] | None = None
     # Ctrl-C ends the capture with what it has (diagnose: a partial verdict); else it goes on up (repro, watch)
     partial_on_interrupt: bool = False
+
+
+# The note a capture that Ctrl-C ended leaves in its bundle (SamplerOptions.partial_on_interrupt).
+INTERRUPTED_NOTE = "interrupted (Ctrl-C): the verdict is partial, drawn from what was sampled"

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from wedgectl.capture.bursts import collect_stacks
 from wedgectl.capture.discover import BUNDLE_LOG_BYTES, VERDICT_LOG_BYTES, discover
-from wedgectl.capture.options import SamplerOptions
+from wedgectl.capture.options import INTERRUPTED_NOTE, SamplerOptions
 from wedgectl.capture.policy import (
     BURST_CLASSES,
     CERTAIN,
@@ -45,9 +45,6 @@ from wedgectl.store.sources import steal_facts
 
 EXITED_NOTE = "the deployment exited mid-capture"
 MAX_IN_FLIGHT = 2  # scrapes of a slow server overlapping on the sampling clock
-
-
-INTERRUPTED_NOTE = "interrupted (Ctrl-C): the verdict is partial, drawn from what was sampled"
 
 
 def capture(pid: int | None = None, url: str | None = None, log_path: str | os.PathLike[str] | None = None,
