@@ -8,6 +8,7 @@ the clock, to show what the rule leans on.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 
 from wedgectl.store.bundle import read_bundle
 from wedgectl.classify import classify, confidence as C
+from wedgectl.classify import startup
 from wedgectl.classify.facts import Facts
 from wedgectl.classify.startup import (
     DEVICE_INIT,
@@ -141,12 +143,43 @@ def test_recorded_startup_hang_names_phase_and_duration():
     assert v.summary.startswith(f"Start-up stuck in {WARM_UP} for ")
 
 
-def test_a_younger_stall_is_not_called_hung():
+def test_a_younger_stall_is_not_called_hung_but_named_starting():
     b = load("startup-hang")
     quiet = classify(b).facts["quiet_s"]
     young = shifted(b, quiet - STARTUP_QUIET_S + 5)  # quiet 55 s at capture
     assert not live_startup_hang(Facts(young))
-    assert classify(young).verdict is VerdictKind.INCONCLUSIVE
+    v = classify(young)
+    assert v.verdict is VerdictKind.INCONCLUSIVE
+    # where it is, how long, and what to check; not "check the metrics URL"
+    assert v.summary.startswith(f"Starting: in {WARM_UP} for 55 s, short of the 60 s ")
+    assert re.match(r"Diagnose again once [56]\.0 s more have passed", v.advice[0]), v.advice  # 60 - 55, rounded up
+    assert "--startup-quiet" in v.advice[1] and not any("metrics URL" in a for a in v.advice)
+    assert any("compile_or_warm_up_model" not in e.what and "last start-up line" in e.what for e in v.evidence)
+
+
+def with_bound(bundle, seconds):
+    return replace(bundle, manifest=replace(bundle.manifest, startup_quiet_s=seconds))
+
+
+def test_the_bound_set_by_startup_quiet_decides_and_is_named():
+    b = load("startup-hang")
+    quiet = classify(b).facts["quiet_s"]
+    young = shifted(b, quiet - 25)  # quiet 25 s at capture
+    assert classify(young).verdict is VerdictKind.INCONCLUSIVE  # the default bound, 60 s
+    v = classify(with_bound(young, 20.0))
+    assert v.verdict is VerdictKind.STARTUP_HANG and v.facts["deadline_s"] == 20.0
+    assert any("(bound 20 s, not the default 60 s)" in e.what for e in v.evidence)
+    # longer than the recorded stall: not hung yet, and the wait it names is the set bound's
+    v = classify(with_bound(b, quiet + 100))
+    assert v.verdict is VerdictKind.INCONCLUSIVE and "Diagnose again once 2 min more" in v.advice[0], v.advice
+
+
+@pytest.mark.parametrize("hostile", [float("nan"), float("inf"), -1.0, 0.0, 4.9, 3600.1, 1e300, True, "20"])
+def test_a_bound_a_bundle_records_outside_the_range_is_not_used(hostile):
+    b = load("startup-hang")
+    young = shifted(b, classify(b).facts["quiet_s"] - 25)
+    assert startup.quiet_bound(Facts(with_bound(young, hostile))) == STARTUP_QUIET_S
+    assert classify(with_bound(young, hostile)).verdict is VerdictKind.INCONCLUSIVE
 
 
 def test_a_busy_engine_gets_the_long_deadline():

@@ -310,7 +310,7 @@ def test_watch_warns_when_it_binds_a_non_loopback_address_without_a_web_config()
     assert r.returncode == 0, r.stderr
     (warning,) = [ln for ln in r.stderr.splitlines() if "warning:" in ln]
     assert "0.0.0.0" in warning and "not a loopback address" in warning and "/v1/targets" in warning
-    assert "/metrics and /livez;" in r.stderr  # the start line says what is served
+    assert "/metrics, /livez and /readyz;" in r.stderr  # the start line says what is served
     r = _watch("--listen", "127.0.0.1:0")
     assert r.returncode == 0 and "warning:" not in r.stderr and "/v1/targets" in r.stderr
 

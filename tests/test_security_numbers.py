@@ -51,6 +51,7 @@ OPTION_CASES = [
     (("diagnose", "--pid", "0"), "--pid must be >= 1"),
     (("diagnose", "--pid", "-1"), "--pid must be >= 1"),
     (("diagnose", "--url", "http://127.0.0.1:9", "--window", "1e308"), "--window must be > 0 and <= 86400"),
+    (("diagnose", "--url", "http://127.0.0.1:9", "--startup-quiet", "2"), "--startup-quiet must be >= 5 and <= 3600"),
     (("diagnose", "--url", "http://127.0.0.1:9", "--window", "nan"), "--window must be > 0"),
     (("diagnose", "--url", "http://127.0.0.1:9", "--window", "inf"), "--window must be > 0"),
     (("diagnose", "--url", "http://127.0.0.1:9", "--window", "1", "--interval", "nan"), "--interval must be > 0"),

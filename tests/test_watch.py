@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -233,35 +235,71 @@ def test_metrics_are_a_state_set_per_target_with_counters_and_build_info():
     assert build.name == "wedgectl_build_info" and build.labels["version"]
 
 
-def test_endpoints_answer_livez_targets_and_metrics():
-    state = {"snap": _snapshot(grace=200.0)}
+@contextlib.contextmanager
+def _serving(state: dict) -> Iterator[tuple[str, httpx.Client]]:
+    """An Endpoint answering from state["snap"] (swap it to change what it says): its base URL and a client."""
     ep = Endpoint("127.0.0.1:0", lambda: state["snap"]).start()
     try:
-        base = f"http://{ep.address}"
         with httpx.Client(timeout=5, trust_env=False) as c:
-            assert c.get(f"{base}/livez").status_code == 200  # 100 s in the wedge, grace 200 s
-            state["snap"] = _snapshot(grace=60.0)
-            r = c.get(f"{base}/livez")
-            assert r.status_code == 503 and "n:8001/wedged: admission_wedge for 100s" in r.text
-            targets = c.get(f"{base}/v1/targets").json()["targets"]
-            by = {t["target"]: t for t in targets}
-            assert by["n:8001/wedged"]["verdict"] == "admission_wedge" and by["n:8001/wedged"]["live"] is False
-            assert by["n:8001/wedged"]["episodes"][0]["end"] is None
-            assert by["n:8000/tiny"]["verdict"] == "idle" and by["n:8000/tiny"]["live"] is True
-            m = c.get(f"{base}/metrics")
-            assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
-            assert ('wedgectl_verdict{model_name="wedged",node="n",pid="",port="8001",target="n:8001/wedged",'
-                    'verdict="admission_wedge"} 1.0') in m.text
-            assert c.get(f"{base}/nope").status_code == 404
-            # the runbooks the alert rules link to, from the installed wedgectl; nothing else by that path
-            page = c.get(f"{base}/runbooks/hang-admission-wedge.md")
-            assert page.status_code == 200 and page.headers["content-type"].startswith("text/markdown")
-            assert page.content == (DOCS / "hang-admission-wedge.md").read_bytes()
-            for other in ("design.md", "..%2Fpyproject.toml", "../README.md", "hang-none.md", "runbook-watch.md.bak"):
-                assert c.get(f"{base}/runbooks/{other}").status_code == 404, other
+            yield f"http://{ep.address}", c
     finally:
         ep.close()
     assert not ep.thread.is_alive()
+
+
+def test_endpoints_answer_livez_targets_and_metrics():
+    state = {"snap": _snapshot(grace=200.0)}
+    with _serving(state) as (base, c):
+        assert c.get(f"{base}/livez").status_code == 200  # 100 s in the wedge, grace 200 s
+        state["snap"] = _snapshot(grace=60.0)
+        r = c.get(f"{base}/livez")
+        assert r.status_code == 503 and "n:8001/wedged: admission_wedge for 100s" in r.text
+        targets = c.get(f"{base}/v1/targets").json()["targets"]
+        by = {t["target"]: t for t in targets}
+        assert by["n:8001/wedged"]["verdict"] == "admission_wedge" and by["n:8001/wedged"]["live"] is False
+        assert by["n:8001/wedged"]["episodes"][0]["end"] is None
+        assert by["n:8000/tiny"]["verdict"] == "idle" and by["n:8000/tiny"]["live"] is True
+        m = c.get(f"{base}/metrics")
+        assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
+        assert ('wedgectl_verdict{model_name="wedged",node="n",pid="",port="8001",target="n:8001/wedged",'
+                'verdict="admission_wedge"} 1.0') in m.text
+        assert c.get(f"{base}/nope").status_code == 404
+        # the runbooks the alert rules link to, from the installed wedgectl; nothing else by that path
+        page = c.get(f"{base}/runbooks/hang-admission-wedge.md")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/markdown")
+        assert page.content == (DOCS / "hang-admission-wedge.md").read_bytes()
+        for other in ("design.md", "..%2Fpyproject.toml", "../README.md", "hang-none.md", "runbook-watch.md.bak"):
+            assert c.get(f"{base}/runbooks/{other}").status_code == 404, other
+
+
+def test_readyz_takes_a_hung_target_out_of_rotation_at_once_and_livez_after_the_grace():
+    state = {"snap": _snapshot(grace=200.0)}
+    with _serving(state) as (base, c):
+        # 100 s in the wedge, grace 200 s: alive, but not ready
+        assert c.get(f"{base}/livez").status_code == 200
+        r = c.get(f"{base}/readyz")
+        assert r.status_code == 503 and r.text == "n:8001/wedged: admission_wedge for 100s\n"
+        # one target's answer, by its `target` label
+        wedged = c.get(f"{base}/readyz", params={"target": "n:8001/wedged"})
+        healthy = c.get(f"{base}/readyz", params={"target": "n:8000/tiny"})
+        assert (wedged.status_code, healthy.status_code, healthy.text) == (503, 200, "ok\n")
+        assert c.get(f"{base}/livez", params={"target": "n:8001/wedged"}).status_code == 200
+        state["snap"] = _snapshot(grace=60.0)
+        assert c.get(f"{base}/livez", params={"target": "n:8001/wedged"}).status_code == 503
+        assert c.get(f"{base}/livez", params={"target": "n:8000/tiny"}).status_code == 200
+        # an unknown target is not "ready"; a query other than ?target=NAME is refused, hostile text escaped
+        gone = c.get(f"{base}/readyz", params={"target": "n:9/\x1b[2Jx"})
+        assert gone.status_code == 404 and "\x1b" not in gone.text and gone.text.startswith("no such target")
+        for query in ("?verdict=x", "?target=a&target=b", "?" + "&".join(f"f{i}=1" for i in range(50)), "?=&"):
+            assert c.get(f"{base}/readyz{query}").status_code == 400, query
+        assert "/readyz" in c.get(f"{base}/").text
+
+
+def test_readyz_is_ready_with_no_target_in_a_hang_class():
+    healthy = Tracker("n:8000/tiny", TargetLabels("n", "8000", "tiny"))
+    healthy.observe(verdict(V.STARVED, 0.8), 900.0)  # starved is no hang: it stays in rotation
+    snap = Snapshot(1000.0, 60.0, (healthy.view("http://127.0.0.1:8000", 12, False, up=True),))
+    assert snap.unready == () and snap.only("n:8000/tiny") is not None and snap.only("other") is None
 
 
 @pytest.mark.parametrize("listen, want", [("127.0.0.1:9464", ("127.0.0.1", 9464)), (":9", ("0.0.0.0", 9)),

@@ -140,12 +140,16 @@ def test_daemonset_sees_every_process_with_only_the_capabilities_it_needs():
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
 
 
-def test_sidecar_points_the_vllm_liveness_probe_at_livez():
+def test_sidecar_points_liveness_at_livez_and_readiness_at_readyz():
     pod = _pod(DEPLOY / "kubernetes" / "sidecar-example.yaml", "Deployment")
     assert pod["shareProcessNamespace"] is True
     by = {c["name"]: c for c in pod["containers"]}
     probe = by["vllm"]["livenessProbe"]["httpGet"]
     assert probe == {"path": "/livez", "port": 9464}
+    # out of rotation first: the sidecar's readiness is the server's, and fails on the first verdict
+    ready = by["wedgectl"]["readinessProbe"]
+    assert ready["httpGet"] == {"path": "/readyz", "port": "metrics"} and ready["failureThreshold"] == 1
+    assert by["vllm"]["readinessProbe"]["httpGet"]["path"] == "/health"  # start-up stays vLLM's to say
     assert "--listen=0.0.0.0:9464" in by["wedgectl"]["args"]
     assert by["wedgectl"]["securityContext"]["readOnlyRootFilesystem"] is True
 
@@ -194,6 +198,10 @@ def test_the_dashboards_hang_count_counts_every_hang_class_and_nothing_else():
     critical = {m for r in _rules().values() if r["labels"].get("severity") == "critical"
                 for m in re.findall(r'verdict="([a-z_]+)"', r["expr"])}
     assert counted == critical
+    # and the README's selector for a metric-driven picker leaves out the same classes
+    readme = (DEPLOY.parent / "README.md").read_text()
+    (picker,) = re.findall(r'`wedgectl_verdict\{verdict=~"([^"]+)"\} == 1`', readme)
+    assert set(picker.split("|")) == counted
 
 
 def test_containerfile_installs_the_wheel_and_runs_watch():

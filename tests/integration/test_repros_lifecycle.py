@@ -54,8 +54,20 @@ def test_startup_hang_names_its_phase(vllm_python, tmp_path):
     rc, out = repro("startup-hang", tmp_path)
     assert rc == 0 and out["verdict"] == "startup_hang", out["summary"]
     f = out["facts"]
-    assert f["phase"] == "graph capture / warm-up" and f["stuck_s"] >= f["deadline_s"] == 60.0
+    # judged by the config's start-up bound (diagnose --startup-quiet 20), which the bundle records
+    assert f["phase"] == "graph capture / warm-up" and f["stuck_s"] >= f["deadline_s"] == 20.0
     assert out["confidence"] >= 0.85
     text = " | ".join(e["what"] for e in out["evidence"])
     assert "never listening" in text and "compile_or_warm_up_model" in text
-    assert_nothing_left(tmp_path / "bundle.tar.gz")
+    assert "(bound 20 s, not the default 60 s)" in text
+    bundle = tmp_path / "bundle.tar.gz"
+    assert read_bundle(bundle).manifest.startup_quiet_s == 20.0
+    # the same evidence by a bound it has not yet outlasted: starting, not (yet) hung
+    again = {}
+    for bound in ("20", str(int(f["stuck_s"]) + 30)):
+        r = subprocess.run([sys.executable, "-m", "wedgectl", "diagnose", "--bundle", str(bundle), "--startup-quiet",
+                            bound, "--json"], capture_output=True, text=True, timeout=60)
+        again[bound] = (r.returncode, json.loads(r.stdout)["verdict"])
+    assert list(again.values())[0] == (16, "startup_hang")
+    assert list(again.values())[1][1] != "startup_hang", again
+    assert_nothing_left(bundle)

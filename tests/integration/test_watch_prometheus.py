@@ -1,4 +1,5 @@
-"""`wedgectl watch` under a real Prometheus: a repro'd admission wedge alerts, fails /livez and leaves its episode; a healthy server beside it does none of that."""
+"""`wedgectl watch` under a real Prometheus: a repro'd admission wedge alerts, fails /readyz at once and /livez
+after the grace, and leaves its episode; a healthy server beside it does none of that."""
 
 from __future__ import annotations
 
@@ -148,6 +149,24 @@ def test_watch_exports_a_wedge_to_prometheus_and_fails_livez(vllm_server, kept_w
             healthy = next(n for n in names if f":{healthy_port}/" in n)
             assert wedge.endswith("/tiny") and healthy.endswith("/tiny")
 
+            # 0. out of rotation at once: from the first look that finds the wedge, /readyz answers 503 for it
+            # (no grace: the verdict read first, /readyz after, from a later or the same snapshot), while
+            # the healthy control stays ready throughout
+            polls: list[tuple[str | None, int, int, str]] = []
+
+            def out_of_rotation() -> bool:
+                verdict_now = targets()[wedge]["verdict"]
+                w = c.get(f"{base}/readyz", params={"target": wedge})
+                h = c.get(f"{base}/readyz", params={"target": healthy})
+                polls.append((verdict_now, w.status_code, h.status_code, w.text))
+                return verdict_now == "admission_wedge"
+
+            wait_for("the wedge's verdict", out_of_rotation, 120, every=0.25)
+            assert all(w == 503 for v, w, _, _ in polls if v == "admission_wedge"), polls
+            assert all(h == 200 for _, _, h, _ in polls), polls
+            assert polls[-1][3].startswith(f"{wedge}: admission_wedge for "), polls[-1]
+            assert c.get(f"{base}/readyz").status_code == 503  # the watcher as a whole: one replica is hung
+
             livez: list[tuple[float, int, str]] = []
 
             def livez_failing() -> bool:
@@ -233,6 +252,7 @@ def test_watch_exports_a_wedge_to_prometheus_and_fails_livez(vllm_server, kept_w
             assert ended["bundle"] == str(saved) and ended["duration_s"] >= GRACE_S - 1.0
             assert targets()[wedge]["verdict"] in ("idle", "progressing")
             assert c.get(f"{base}/livez").status_code == 200
+            assert c.get(f"{base}/readyz", params={"target": wedge}).status_code == 200  # back in rotation
     finally:
         stop_load.set()
         watch.send_signal(signal.SIGTERM)

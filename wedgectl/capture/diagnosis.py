@@ -29,6 +29,7 @@ class LiveOptions:
     ebpf: str = "auto"
     low_priority: bool = True  # nice +5 and idle I/O, below the server
     urgent: bool = False  # above the server, in a session of its own where autogroup applies
+    startup_quiet_s: float | None = None  # --startup-quiet: the start-up bound; None: the classifier's default
 
 
 @dataclass(frozen=True)
@@ -73,21 +74,29 @@ def diagnose(*, pid: int | None = None, url: str | None = None, log: Path | None
     Raises the capture's WedgectlError when a live target gave nothing to classify (saving what it gave first).
     """
     if bundle is not None:
-        return reclassify(bundle)
+        return reclassify(bundle, options.startup_quiet_s)
     if pid is None and url is None:
         from wedgectl.store.sources import bundle_from_log
 
         assert log is not None  # a source was given (source_problem), and it is not --bundle
-        evidence = bundle_from_log(log)
+        evidence = with_startup_quiet(bundle_from_log(log), options.startup_quiet_s)
     else:
         evidence = capture_live(pid, url, log, options, progress, save_to)
     return classify_and_save(evidence, save_to)
 
 
-def reclassify(path: Path) -> Diagnosis:
-    """A saved bundle, classified again by today's rules; it keeps the verdict it recorded."""
-    saved = read_bundle(path)
+def reclassify(path: Path, startup_quiet_s: float | None = None) -> Diagnosis:
+    """A saved bundle, classified again by today's rules (with `startup_quiet_s`, that start-up bound rather
+    than the one it recorded); it keeps the verdict it recorded."""
+    saved = with_startup_quiet(read_bundle(path), startup_quiet_s)
     return Diagnosis(classify(saved), saved, reclassified=True)
+
+
+def with_startup_quiet(evidence: Bundle, startup_quiet_s: float | None) -> Bundle:
+    """The evidence to be judged with this start-up bound (None: as it is)."""
+    if startup_quiet_s is None:
+        return evidence
+    return replace(evidence, manifest=replace(evidence.manifest, startup_quiet_s=startup_quiet_s))
 
 
 def capture_live(pid: int | None, url: str | None, log: Path | None, options: LiveOptions,
@@ -109,7 +118,8 @@ def capture_live(pid: int | None, url: str | None, log: Path | None, options: Li
     elif options.low_priority:
         priority.lower_priority()  # best effort: a refused nice or ioprio changes nothing but the priority
     opts = SamplerOptions(window_s=options.window_s, interval_s=options.interval_s, stacks=options.stacks,
-                          native=options.native, ebpf=options.ebpf, progress=progress, partial_on_interrupt=True)
+                          native=options.native, ebpf=options.ebpf, progress=progress, partial_on_interrupt=True,
+                          startup_quiet_s=options.startup_quiet_s)
     evidence = capture(pid=pid, url=url, log_path=log, options=opts)
     if urgent_note:
         evidence = replace(evidence, manifest=replace(evidence.manifest, notes=(*evidence.manifest.notes, urgent_note)))

@@ -135,7 +135,7 @@ def served_model(argv: Iterable[str]) -> str | None:
 
 
 def deployment_manifest(dep: Deployment, pid: int | None, notes: tuple[str, ...] = (),
-                        log_path: str | None = None) -> Manifest:
+                        log_path: str | None = None, startup_quiet_s: float | None = None) -> Manifest:
     """The manifest of a capture of dep, as diagnose, top and watch write it: pid as the operator
     named it (None for a URL), the URL without its user:password, the log's path (log_path when
     given, as --log gives it), this host's facts."""
@@ -146,6 +146,7 @@ def deployment_manifest(dep: Deployment, pid: int | None, notes: tuple[str, ...]
         target=Target(pid=pid, url=redact_url(dep.base_url), log_path=log_path or dep.log_path, pids=dep.pids),
         host=host_facts(),
         notes=notes,
+        startup_quiet_s=startup_quiet_s,
     )
 
 

@@ -23,6 +23,9 @@ class SamplerOptions:
     progress: Callable[[str], None] | None = None
     # Ctrl-C ends the capture with what it has (diagnose: a partial verdict); else it goes on up (repro, watch)
     partial_on_interrupt: bool = False
+    # The start-up quiet bound the verdicts are judged with (diagnose --startup-quiet; the manifest records
+    # it); None: the classifier's default
+    startup_quiet_s: float | None = None
 
 
 # The note a capture that Ctrl-C ended leaves in its bundle (SamplerOptions.partial_on_interrupt).

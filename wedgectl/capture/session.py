@@ -78,7 +78,8 @@ class LiveSession:
                  notes: tuple[str, ...] = (), log_path: str | os.PathLike[str] | None = None,
                  series: tuple[str, ...] | None = None, tree: TreeCache | None = None,
                  scrape_timeout_s: float = SamplerOptions.scrape_timeout_s,
-                 keep: int | None = None, keep_s: float | None = None) -> None:
+                 keep: int | None = None, keep_s: float | None = None,
+                 startup_quiet_s: float | None = None) -> None:
         self.deployment = deployment
         self.pid = pid
         self.url = url
@@ -86,7 +87,9 @@ class LiveSession:
         self.tree = tree
         self.scraper = Scraper(scrape_timeout_s, series=series)
         self._cheap: Scraper | None = None  # the cheap look's, made at the first one
-        self._manifest = deployment_manifest(deployment, pid, notes=notes, log_path=self.log_path)
+        self.startup_quiet_s = startup_quiet_s
+        self._manifest = deployment_manifest(deployment, pid, notes=notes, log_path=self.log_path,
+                                             startup_quiet_s=startup_quiet_s)
         self._model: str | None = None
         self._model_asked = False  # the argv read (only when asked: diagnose never names a model)
         self.samples: deque[Sample] = deque()
@@ -108,7 +111,7 @@ class LiveSession:
         if notes is None:
             return self._manifest
         return deployment_manifest(self.deployment, self.pid if pid is None else pid, notes=notes,
-                                   log_path=self.log_path)
+                                   log_path=self.log_path, startup_quiet_s=self.startup_quiet_s)
 
     @property
     def model(self) -> str | None:

@@ -58,7 +58,8 @@ def capture(pid: int | None = None, url: str | None = None, log_path: str | os.P
     try:
         if options.ebpf == "on":
             probes.start(options.window_s)
-        session = LiveSession(dep, pid, url, log_path=log_path, scrape_timeout_s=options.scrape_timeout_s)
+        session = LiveSession(dep, pid, url, log_path=log_path, scrape_timeout_s=options.scrape_timeout_s,
+                              startup_quiet_s=options.startup_quiet_s)
         try:
             bundle = Window(session, options, probes).run()
         finally:

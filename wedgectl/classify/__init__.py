@@ -19,6 +19,7 @@ from wedgectl.classify.series import Series, slope_per_s
 from wedgectl.classify.live import LIVE_RULES
 from wedgectl.classify.log import LOG_RULES, stop_seen_s, too_short_to_tell
 from wedgectl.classify.rule import Rule
+from wedgectl.classify.startup import starting
 from wedgectl.model.types import Bundle, Evidence, Verdict, VerdictKind
 
 
@@ -61,8 +62,14 @@ def _with_caveats(f: Facts, verdict: Verdict) -> Verdict:
 
 def _inconclusive(f: Facts) -> Verdict:
     ev: list[Evidence] = []
-    advice = []
-    if f.is_live:
+    advice: list[str] = []
+    summary = "The evidence does not decide between the hang classes."
+    still_starting = starting(f)
+    if still_starting is not None:  # a start-up short of its bound: say where it is, not "check the URL"
+        summary, ev_start, advice_start = still_starting
+        ev += ev_start
+        advice += advice_start
+    elif f.is_live:
         if not f.scrapes:
             ev.append(Evidence("metrics", f"no /metrics scrape parsed ({f.failed_scrapes} failed)"))
             advice.append("Check the metrics URL (--url) and that the API server is up.")
@@ -78,7 +85,6 @@ def _inconclusive(f: Facts) -> Verdict:
                                values={"waiting": f.waiting}))
             advice.append("Check the waiting requests' clients (paused streaming sessions); if none holds them, "
                           "`wedgectl diagnose --pid PID --window 15` again: a count that never drains is a leak.")
-    summary = "The evidence does not decide between the hang classes."
     if f.log is not None:
         span = (f.log.last_t - f.log.first_t) if f.log.first_t is not None and f.log.last_t is not None else None
         ev.append(Evidence("log",
@@ -97,7 +103,8 @@ def _inconclusive(f: Facts) -> Verdict:
         if not f.stats:
             ev.append(Evidence("log",
                                "no stats lines: vLLM logs them only while tokens flow, so idle and stuck look alike"))
-        advice.append("Capture the live process: `wedgectl diagnose --pid PID --save-bundle hang.tar.gz`.")
+        if still_starting is None:
+            advice.append("Capture the live process: `wedgectl diagnose --pid PID --save-bundle hang.tar.gz`.")
     if not advice:
         advice.append("Capture more: `wedgectl diagnose --pid PID --window 15`.")
     return Verdict(VerdictKind.INCONCLUSIVE, C.INCONCLUSIVE, summary, "inconclusive", tuple(ev), tuple(advice))

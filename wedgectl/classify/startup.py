@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+from wedgectl.model import bounds
 from wedgectl.read import stacks as stk
 from wedgectl.classify import confidence as C
 from wedgectl.classify.evidence import fmt_duration, log_stamp, message
@@ -22,6 +24,9 @@ from wedgectl.model.types import Evidence, ProcessSample, Role, Verdict, Verdict
 # model): the longest quiet gap of a healthy start was 5 s idle, 48 s at load 20+, both while the
 # EngineCore was spawned and importing (busy, or not there yet: the long deadline).
 STARTUP_QUIET_S = 60.0
+# The bound an operator may set instead (diagnose --startup-quiet, recorded in the bundle's manifest):
+# a bundle that records one outside these is judged with the default.
+STARTUP_QUIET_RANGE = (bounds.STARTUP_QUIET_MIN_S, bounds.STARTUP_QUIET_MAX_S)
 # Phases that may legitimately be quiet and slow whatever the CPU shows: weight loading from slow
 # or network storage (the CPU idles in reads), torch.compile and autotuning of a large model
 # (minutes of busy CPU, one line at the end). Past 10 min of silence even those are stuck.
@@ -181,29 +186,84 @@ def startup_state(f: Facts) -> StartupState:
     return StartupState(phase, last, quiet, age, sp, serving)
 
 
+def quiet_bound(f: Facts) -> float:
+    """The start-up quiet bound this evidence is judged with: the manifest's (diagnose --startup-quiet) when
+    it is a number within STARTUP_QUIET_RANGE, else STARTUP_QUIET_S. A slow phase's deadline is never
+    shorter than it."""
+    value = f.bundle.manifest.startup_quiet_s
+    low, high = STARTUP_QUIET_RANGE
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high:
+        return float(value)
+    return STARTUP_QUIET_S
+
+
+def slow_deadline(f: Facts) -> float:
+    """STARTUP_DEADLINE_S, or the quiet bound where an operator set it longer."""
+    return max(STARTUP_DEADLINE_S, quiet_bound(f))
+
+
 def _deadline(f: Facts, s: StartupState) -> float:
-    """STARTUP_QUIET_S for a parked engine in a phase that burns CPU; STARTUP_DEADLINE_S otherwise."""
-    return STARTUP_QUIET_S if f.engine_parked and not s.slow_phase else STARTUP_DEADLINE_S
+    """The quiet bound for a parked engine in a phase that burns CPU; the slow deadline otherwise."""
+    return quiet_bound(f) if f.engine_parked and not s.slow_phase else slow_deadline(f)
 
 
 # ------------------------------------------------------------------ live
 
 
-def live_startup_hang(f: Facts) -> bool:
-    """The API server lives but never listened nor answered /metrics, no shutdown began, and it
-    has been in one start-up phase past the deadline (STARTUP_QUIET_S with the engine parked,
-    STARTUP_DEADLINE_S otherwise). vLLM 0.32 waits with no deadline for the engine core's READY
-    (wait_for_engine_startup polls forever, logging only at DEBUG) and the EngineCore waits for
-    its workers (WorkerProc.wait_for_ready: multiprocessing.connection.wait, no timeout); the
-    collective_rpc of profiling and warm-up has none either. Unreadable sockets (no
-    CAP_SYS_PTRACE) leave "never listened" unknown: no verdict."""
+def _still_starting(f: Facts) -> StartupState | None:
+    """The start-up state of a live API server that never listened nor answered /metrics, with no shutdown
+    begun and a start-up phase to name; None for any other target."""
     api = f.api_server
     if not f.is_live or api is None or f.scrapes or api.connections is None or not f.api_never_listened:
-        return False
+        return None
     if f.shutdown_began is not None or f.api_shutdown_frames:
-        return False
+        return None
     s = startup_state(f)
     if s.serving and s.stack is None:
+        return None
+    return s
+
+
+def starting(f: Facts) -> tuple[str, tuple[Evidence, ...], tuple[str, ...]] | None:
+    """For a verdict that cannot call it: a server still starting, not (yet) past its bound. The summary
+    names the phase and how long it has lasted, the evidence what was seen, the advice what to check."""
+    s = _still_starting(f)
+    if s is None or s.stuck_s is None:
+        return None
+    bound = _deadline(f, s)
+    summary = (f"Starting: in {s.phase} for {fmt_duration(s.stuck_s)}, short of the {fmt_duration(bound)} "
+               "after which this phase counts as hung; not a verdict yet.")
+    ev = [Evidence("proc", f"API server pid {f.api_server.pid if f.api_server else '?'} alive, never listening, "
+                           "/metrics never answered: still starting")]
+    if s.last_line is not None:
+        ev.append(Evidence("log", f"last start-up line: {message(s.last_line.text)[:120]}",
+                           t=log_stamp(s.last_line.t), values={"line": s.last_line.lineno}))
+    if f.engine_cores is not None:
+        ev.append(Evidence("proc", f"engine used {f.engine_cores:.2f} cores over the window"
+                           + (" (parked)" if f.engine_parked else " (busy: loading, compiling or capturing)"),
+                           values={"cores": round(f.engine_cores, 3)}))
+    left = fmt_duration(float(math.ceil(max(0.0, bound - s.stuck_s))))
+    advice = (
+        f"Diagnose again once {left} more have passed: still in {s.phase} "
+        "with no log line and the engine parked then is a hung start-up.",
+        f"Set the bound with --startup-quiet SECONDS (default {fmt_duration(STARTUP_QUIET_S)}; weight loading "
+        f"and torch.compile get {fmt_duration(STARTUP_DEADLINE_S)}).",
+        _PHASE_ADVICE.get(s.phase, "Read the log's last start-up lines for the step it is on."),
+    )
+    return summary, tuple(ev), advice
+
+
+def live_startup_hang(f: Facts) -> bool:
+    """The API server lives but never listened nor answered /metrics, no shutdown began, and it
+    has been in one start-up phase past the deadline (the quiet bound, STARTUP_QUIET_S unless
+    diagnose --startup-quiet set another, with the engine parked; STARTUP_DEADLINE_S otherwise).
+    vLLM 0.32 waits with no deadline for the engine core's READY (wait_for_engine_startup polls
+    forever, logging only at DEBUG) and the EngineCore waits for its workers
+    (WorkerProc.wait_for_ready: multiprocessing.connection.wait, no timeout); the collective_rpc
+    of profiling and warm-up has none either. Unreadable sockets (no CAP_SYS_PTRACE) leave
+    "never listened" unknown: no verdict."""
+    s = _still_starting(f)
+    if s is None:
         return False
     stuck = s.stuck_s
     return stuck is not None and stuck >= _deadline(f, s) and (s.age_s is None or s.age_s >= _deadline(f, s))
@@ -234,9 +294,12 @@ def _startup_verdict(f: Facts, live: bool) -> Verdict:
         ev.append(Evidence("log", f"last start-up line: {message(s.last_line.text)[:120]}",
                            t=log_stamp(s.last_line.t),
                            values={"line": s.last_line.lineno, "phase_after": s.last_line.phase}))
+    deadline = _deadline(f, s) if live else (slow_deadline(f) if s.slow_phase else quiet_bound(f))
     if s.quiet_s is not None:
-        ev.append(Evidence("log", f"no start-up progress in the log for {fmt_duration(s.quiet_s)}",
-                           values={"quiet_s": round(s.quiet_s, 1)}))
+        set_by = "" if quiet_bound(f) == STARTUP_QUIET_S else f", not the default {fmt_duration(STARTUP_QUIET_S)}"
+        ev.append(Evidence("log", f"no start-up progress in the log for {fmt_duration(s.quiet_s)} "
+                                  f"(bound {fmt_duration(deadline)}{set_by})",
+                           values={"quiet_s": round(s.quiet_s, 1), "deadline_s": deadline}))
     if f.shm_warnings:
         ev.append(Evidence("log",
                            f"vLLM's own 'No available shared memory broadcast block found' x{len(f.shm_warnings)}: "
@@ -246,10 +309,9 @@ def _startup_verdict(f: Facts, live: bool) -> Verdict:
         name = s.stack.role.value
         ev.append(Evidence("stack", f"{name} pid {s.stack.pid} in {s.stack.phase}: {s.stack.frame}",
                            values={"pid": s.stack.pid, "phase": s.stack.phase}))
-    deadline = _deadline(f, s) if live else (STARTUP_DEADLINE_S if s.slow_phase else STARTUP_QUIET_S)
     if not live:
         confidence = C.STARTUP_LOG
-    elif stuck >= STARTUP_DEADLINE_S and not f.engine_parked:
+    elif stuck >= slow_deadline(f) and not f.engine_parked:
         confidence = C.STARTUP_PAST_DEADLINE
     else:
         corroborated = s.stack is not None and s.last_line is not None
@@ -305,7 +367,7 @@ def live_startup_verdict(f: Facts) -> Verdict:
 def log_startup_hang(f: Facts) -> bool:
     """The log holds start-up lines and then nothing: no 'Starting vLLM server', no request, no stats
     line, no failure, no shutdown, and it has been quiet past the deadline by the time it was read
-    (STARTUP_QUIET_S, or STARTUP_DEADLINE_S in weight loading or torch compile). A log alone cannot
+    (the quiet bound, or STARTUP_DEADLINE_S in weight loading or torch compile). A log alone cannot
     tell a hung start-up from a killed one: the verdict says to check the pid lives. A live capture
     that saw the processes is the live rule's to decide (they may have listened, or be busy)."""
     log = f.log
@@ -316,7 +378,7 @@ def log_startup_hang(f: Facts) -> bool:
     s = startup_state(f)
     if s.last_line is None or s.serving:
         return False
-    deadline = STARTUP_DEADLINE_S if s.slow_phase else STARTUP_QUIET_S
+    deadline = slow_deadline(f) if s.slow_phase else quiet_bound(f)
     return s.quiet_s is not None and s.quiet_s >= deadline
 
 
@@ -331,5 +393,5 @@ def log_startup_verdict(f: Facts) -> Verdict:
 LIVE_STARTUP_RULE = Rule(live_startup_hang, live_startup_verdict)
 LOG_STARTUP_RULE = Rule(log_startup_hang, log_startup_verdict)
 
-__all__ = ["LIVE_STARTUP_RULE", "LOG_STARTUP_RULE", "STARTUP_DEADLINE_S", "STARTUP_QUIET_S", "phase_lines",
-           "startup_state"]
+__all__ = ["LIVE_STARTUP_RULE", "LOG_STARTUP_RULE", "STARTUP_DEADLINE_S", "STARTUP_QUIET_RANGE", "STARTUP_QUIET_S",
+           "phase_lines", "quiet_bound", "starting", "startup_state"]

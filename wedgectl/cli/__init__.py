@@ -113,6 +113,13 @@ def diagnose(
                                    help="Sample a live server above its priority, to answer fast on a saturated host: "
                                         "in a session of its own with autogroup nice -10 where autogroup applies, else "
                                         "at nice -10 (root). Takes its ~0.3 CPU s from the server at once.")] = False,
+    startup_quiet: Annotated[Optional[float],
+                             typer.Option("--startup-quiet", callback=checks.startup_quiet, metavar="SECONDS",
+                                          help="A server still starting whose engine burns no CPU and whose log "
+                                               "shows no start-up step for this long is hung (startup_hang) "
+                                               "[default: 60]. Weight loading and torch.compile get 600 s, or this "
+                                               "if longer. Recorded in a saved bundle; with --bundle, judges it "
+                                               "again by this bound.")] = None,
 ) -> None:
     """Classify a hang from a live server, a log, or a saved bundle.
 
@@ -128,7 +135,8 @@ def diagnose(
         raise typer.BadParameter(problem)
     say = None if quiet or as_json and not sys.stderr.isatty() else _progress
     options = diagnosis.LiveOptions(window_s=window, interval_s=interval, stacks=not no_stacks, native=native,
-                                    ebpf=ebpf.value, low_priority=low_priority, urgent=urgent)
+                                    ebpf=ebpf.value, low_priority=low_priority, urgent=urgent,
+                                    startup_quiet_s=startup_quiet)
     found = diagnosis.diagnose(pid=pid, url=url, log=log, bundle=bundle, save_to=save_bundle, options=options,
                                progress=say)
     # Ctrl-C mid-capture: the partial verdict is printed (and the bundle saved), and the exit says interrupted

@@ -46,6 +46,7 @@ def within(lo: float, hi: float, *, above: bool = False) -> Callable[..., Any]:
 pid = within(1, bounds.MAX_PID)
 seconds = within(0, bounds.DAY_S, above=True)  # windows, intervals, timeouts
 count = within(1, bounds.MAX_COUNT)
+startup_quiet = within(bounds.STARTUP_QUIET_MIN_S, bounds.STARTUP_QUIET_MAX_S)
 
 
 def vllm_version(ctx: typer.Context, param: typer.CallbackParam, value: Any) -> Any:
@@ -142,5 +143,5 @@ def output_problem(path: Path, *, new: bool) -> str | None:
     return None
 
 
-__all__ = ["Refused", "count", "new_output", "output_dir", "output_problem", "pid", "seconds", "url", "url_problem",
-           "values_of", "within"]
+__all__ = ["Refused", "count", "new_output", "output_dir", "output_problem", "pid", "seconds", "startup_quiet", "url",
+           "url_problem", "values_of", "within"]

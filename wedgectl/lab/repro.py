@@ -107,6 +107,8 @@ class ReproConfig:
     timeout_s: float = 60.0
     settle_s: float = 3.0
     log_marker: str | None = None  # until "starting": a line the log must hold before its quiet counts
+    # The start-up bound its diagnosis is judged with (diagnose --startup-quiet); None: the default
+    startup_quiet_s: float | None = None
     shutdown_signal: str | None = None
     shutdown_after_s: float = 3.0
     path: Path | None = None
@@ -144,6 +146,7 @@ def load_config(path: Path) -> ReproConfig:
             timeout_s=float(symptom.get("timeout_s", 60)),
             settle_s=float(symptom.get("settle_s", 3)),
             log_marker=symptom.get("log_marker"),
+            startup_quiet_s=float(symptom["startup_quiet_s"]) if "startup_quiet_s" in symptom else None,
             shutdown_signal=shutdown.get("signal"),
             shutdown_after_s=float(shutdown.get("after_s", 3)),
             path=path,
@@ -531,7 +534,8 @@ def run_repro(
             target = surviving_pid(server, tree) or server.pid
         progress("diagnosing" + (f" from surviving pid {target}" if target != server.pid else ""))
         bundle = capture(pid=target, log_path=str(log_path),
-                         options=SamplerOptions(window_s=window_s, progress=progress))
+                         options=SamplerOptions(window_s=window_s, progress=progress,
+                                                startup_quiet_s=cfg.startup_quiet_s))
         verdict = classify(bundle)
         bundle = replace(bundle, verdict=verdict)
         bundle_path = write_bundle(bundle, out_dir / "bundle.tar.gz", replace_own=True)  # a rerun's is ours

@@ -16,6 +16,9 @@ import math
 MAX_PID = (1 << 31) - 1
 DAY_S = 86400.0  # the longest window, interval, timeout or grace an option takes
 YEAR_S = 365 * DAY_S  # watch --max-seconds
+# diagnose --startup-quiet: seconds without start-up progress after which a start is hung (the classifier's
+# default is classify.startup.STARTUP_QUIET_S); a bundle recording a bound outside these is judged by the default
+STARTUP_QUIET_MIN_S, STARTUP_QUIET_MAX_S = 5.0, 3600.0
 MAX_COUNT = 1_000_000  # counts: bundles kept, refreshes between stacks
 MAX_MIB = float(1 << 20)  # sizes in MiB: 1 TiB
 PROBE_WINDOW_S = 300.0  # a probe run's longest window (wedgectl.collect.ebpf.MAX_WINDOW_S)

@@ -375,6 +375,9 @@ class Manifest:
     target: Target = field(default_factory=Target)
     host: dict[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    # The start-up bound the capture was judged with (diagnose --startup-quiet): seconds with no start-up
+    # progress after which a start is hung. None: the classifier's default (classify.startup.STARTUP_QUIET_S).
+    startup_quiet_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,8 @@
-"""What `watch` serves: Prometheus metrics (a prometheus_client Collector), /livez and /v1/targets.
+"""What `watch` serves: Prometheus metrics (a prometheus_client Collector), /livez, /readyz and /v1/targets.
+
+/readyz takes a hung replica out of rotation: 503 as soon as a target is in a hang class (no grace),
+200 otherwise; /livez fails only once the hang has outlasted --grace, for a restart. Both take
+`?target=NAME` (the `target` label) to answer for one target.
 
 Who may read it. /v1/targets carries what took ptrace rights to collect (stacks, paths, pids of other
 users' servers): it is served on a loopback address, or behind a web config that authenticates
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
@@ -50,6 +55,16 @@ class Snapshot:
     def failing(self) -> tuple[TargetView, ...]:
         """The targets in a hang class for longer than the grace."""
         return tuple(v for v in self.targets if v.failing_liveness(self.t, self.grace_s))
+
+    @property
+    def unready(self) -> tuple[TargetView, ...]:
+        """The targets in a hang class now, however briefly: out of rotation at once (/readyz)."""
+        return tuple(v for v in self.targets if v.hang_since is not None)
+
+    def only(self, name: str) -> Snapshot | None:
+        """This snapshot narrowed to the target named `name` (its `target` label); None if there is none."""
+        views = tuple(v for v in self.targets if v.name == name)
+        return Snapshot(self.t, self.grace_s, views, self.failures) if views else None
 
     def targets_json(self) -> dict:
         return {"time": self.t, "grace_s": self.grace_s,
@@ -384,13 +399,16 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if path == "/metrics":
             self._send(200, CONTENT_TYPE_LATEST, generate_latest(self.server.registry))
-        elif path == "/livez":
-            snap = self.server.snapshot()
-            failing = snap.failing
-            if failing:
+        elif path in ("/livez", "/readyz"):
+            snap = self._snapshot_for(self.path)
+            if snap is None:
+                return
+            live = path == "/livez"
+            bad = snap.failing if live else snap.unready
+            if bad:
+                grace = f" (grace {snap.grace_s:.0f}s)" if live else ""
                 body = "".join(f"{printable(v.name)}: {v.verdict.verdict.value if v.verdict else '?'} for "
-                               f"{snap.t - (v.hang_since or snap.t):.0f}s (grace {snap.grace_s:.0f}s)\n"
-                               for v in failing)
+                               f"{snap.t - (v.hang_since or snap.t):.0f}s{grace}\n" for v in bad)
                 self._send(503, "text/plain; charset=utf-8", body.encode())
             else:
                 self._send(200, "text/plain; charset=utf-8", b"ok\n")
@@ -405,11 +423,31 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._send(200, "text/markdown; charset=utf-8", text)
         elif path == "/":
-            paths = "/metrics /livez /v1/targets" if self.server.targets_served else "/metrics /livez"
+            paths = "/metrics /livez /readyz /v1/targets" if self.server.targets_served else "/metrics /livez /readyz"
             paths += " /runbooks/"
             self._send(200, "text/plain; charset=utf-8", f"wedgectl watch: {paths}\n".encode())
         else:
             self._send(404, "text/plain; charset=utf-8", b"not found\n")
+
+    def _snapshot_for(self, raw_path: str) -> Snapshot | None:
+        """The snapshot, narrowed to `?target=NAME` when the request names one; None once an error is sent."""
+        snap = self.server.snapshot()
+        query = raw_path.partition("?")[2]
+        if not query:
+            return snap
+        try:
+            params = parse_qs(query, max_num_fields=MAX_QUERY_FIELDS, strict_parsing=True)
+        except ValueError:
+            self._send(400, "text/plain; charset=utf-8", b"bad query: only ?target=NAME is read\n")
+            return None
+        if set(params) - {"target"} or len(params.get("target", ())) != 1:
+            self._send(400, "text/plain; charset=utf-8", b"bad query: only ?target=NAME is read\n")
+            return None
+        name = params["target"][0]
+        one = snap.only(name)
+        if one is None:
+            self._send(404, "text/plain; charset=utf-8", f"no such target: {printable(name)[:200]}\n".encode())
+        return one
 
     def _authorized(self) -> bool:
         auth = self.server.web.auth if self.server.web is not None else None
@@ -435,6 +473,7 @@ class _Handler(BaseHTTPRequestHandler):
         pass  # a scrape every few seconds is not news
 
 
+MAX_QUERY_FIELDS = 4
 TARGETS_REFUSED = ("/v1/targets is served only on a loopback address, or behind a --web-config-file "
                    "that authenticates (basic_auth_users or client certificates)\n")
 
@@ -460,7 +499,9 @@ class Endpoint:
     @property
     def paths(self) -> str:
         """What is served, for the start line."""
-        return "/metrics, /livez and /v1/targets" if self.server.targets_served else "/metrics and /livez"
+        if self.server.targets_served:
+            return "/metrics, /livez, /readyz and /v1/targets"
+        return "/metrics, /livez and /readyz"
 
     @property
     def exposure(self) -> str | None:
@@ -470,8 +511,9 @@ class Endpoint:
             return None
         if web is None or not web.authenticates:
             return (f"{self.address} is not a loopback address and nothing asks who reads it (no --web-config-file "
-                    "with basic_auth_users or client certificates): /metrics and /livez (target names, models, "
-                    "verdicts) are open to whoever reaches it; /v1/targets (stacks, paths, pids) is not served there")
+                    "with basic_auth_users or client certificates): /metrics, /livez and /readyz (target names, "
+                    "models, verdicts) are open to whoever reaches it; /v1/targets (stacks, paths, pids) is not "
+                    "served there")
         if web.tls is None:
             return (f"{self.address} is not a loopback address and {web.path} has no tls_server_config: "
                     "basic-auth passwords and /v1/targets cross the network in clear")
