@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,13 +11,14 @@ from pathlib import Path
 import psutil
 import pytest
 
+from wedgectl.collect.procread import shm_files_of
 from wedgectl.store.bundle import read_bundle
 
 pytestmark = pytest.mark.integration
 
 
-def repro(name: str, out: Path) -> tuple[int, dict]:
-    r = subprocess.run([sys.executable, "-m", "wedgectl", "repro", name, "--json", "--out", str(out)],
+def repro(name: str, out: Path, *extra: str) -> tuple[int, dict]:
+    r = subprocess.run([sys.executable, "-m", "wedgectl", "repro", name, "--json", "--out", str(out), *extra],
                        capture_output=True, text=True, timeout=480)
     assert r.stdout.strip(), r.stderr[-3000:]
     return r.returncode, json.loads(r.stdout)
@@ -36,8 +38,18 @@ def assert_nothing_left(bundle_path: Path) -> None:
             pass
 
 
-def test_orphaned_engine_from_a_surviving_worker(vllm_python, tmp_path):
-    rc, out = repro("orphaned-engine", tmp_path)
+def test_orphaned_engine_from_a_surviving_worker_then_remedied(vllm_python, tmp_path):
+    """Kept (--keep leaves the orphans running), diagnosed, then `wedgectl remedy` stops them and frees their
+    shared memory."""
+    rc, out = repro("orphaned-engine", tmp_path, "--keep")
+    try:
+        check_orphans_then_remedy(rc, out, tmp_path)
+    finally:
+        subprocess.run([sys.executable, "-m", "wedgectl", "repro", "--stop", "orphaned-engine"], capture_output=True,
+                       timeout=120)
+
+
+def check_orphans_then_remedy(rc: int, out: dict, tmp_path: Path) -> None:
     assert rc == 0 and out["verdict"] == "orphaned_engine", out["summary"]
     f = out["facts"]
     roles = set(f["roles"].values())
@@ -47,7 +59,15 @@ def test_orphaned_engine_from_a_surviving_worker(vllm_python, tmp_path):
     text = " | ".join(e["what"] for e in out["evidence"])
     assert "accelerator memory: not visible" in text and "parent pid 1" in text
     assert out["advice"][0].startswith("Kill them: kill -9 ") and all(str(p) in out["advice"][0] for p in f["pids"])
+    held = shm_files_of(f["pids"])
+    assert held  # vLLM's shared-memory queues and semaphores
+    r = subprocess.run([sys.executable, "-m", "wedgectl", "remedy", "--pid", str(f["pids"][0]), "--yes", "--json",
+                        "--save-bundle", str(tmp_path / "remedy.tar.gz")], capture_output=True, text=True, timeout=180)
+    done = json.loads(r.stdout)
+    assert (r.returncode, done["verdict"], done["plan"]["action"]) == (0, "orphaned_engine", "stop-orphans"), done
+    assert done["gone"] and sorted(done["plan"]["pids"]) == sorted(f["pids"])
     assert_nothing_left(tmp_path / "bundle.tar.gz")
+    assert [p for p in held if os.path.exists(p)] == []  # every segment they held is freed
 
 
 def test_startup_hang_names_its_phase(vllm_python, tmp_path):

@@ -239,12 +239,30 @@ def test_watch_exports_a_wedge_to_prometheus_and_fails_livez(vllm_server, kept_w
             assert query(f'max_over_time(wedgectl_verdict{{target="{healthy}",verdict=~"{HANGS}"}}[10m]) > 0') == []
             assert query(f'ALERTS{{target="{healthy}"}}') == []
             assert query(f'wedgectl_episodes_total{{target="{wedge}",verdict="admission_wedge"}}')[0]["value"][1] == "1"
-            # 7. the stall ends (its client goes away, so vLLM aborts the request): the episode closes,
-            # keeps its bundle, and /livez answers 200 again
+            # 7. `wedgectl remedy` ends the wedge in place: its client connections ended from the server's side
+            # (SOCK_DESTROY), vLLM aborts the requests, the same processes serve a new one; the episode closes,
+            # keeps its bundle, and /livez and /readyz answer 200 again
             holders = kept_clients(kept_wedge["url"])
             assert holders
-            for h in holders:
-                h.terminate()
+            tree = {p.pid: p.create_time() for p in [psutil.Process(kept_wedge["pid"]),
+                                                     *psutil.Process(kept_wedge["pid"]).children(recursive=True)]}
+            plan = subprocess.run([sys.executable, "-m", "wedgectl", "remedy", "--pid", str(kept_wedge["pid"]),
+                                   "--json", "--save-bundle", str(tmp_path / "remedy-plan.tar.gz")],
+                                  capture_output=True, text=True, timeout=120)
+            planned = json.loads(plan.stdout)
+            assert (plan.returncode, planned["verdict"], planned["acted"]) == (11, "admission_wedge", False), plan.stderr
+            assert planned["plan"]["action"] == "end-client-connections" and planned["plan"]["port"] == wedge_port
+            done = subprocess.run([sys.executable, "-m", "wedgectl", "remedy", "--pid", str(kept_wedge["pid"]),
+                                   "--yes", "--json", "--save-bundle", str(tmp_path / "remedy.tar.gz")],
+                                  capture_output=True, text=True, timeout=180)
+            remedied = json.loads(done.stdout)
+            assert done.returncode == 0 and remedied["gone"] and remedied["same_pids"], (remedied, done.stderr[-2000:])
+            assert remedied["after"]["verdict"] == "idle" and remedied["done"][0].startswith("ended 127.0.0.1:")
+            assert read_bundle(tmp_path / "remedy.tar.gz").verdict.verdict is VerdictKind.ADMISSION_WEDGE  # saved first
+            assert {p: psutil.Process(p).create_time() for p in tree} == tree  # no restart: the same processes
+            r = httpx.post(f"{kept_wedge['url']}/v1/completions", timeout=60, trust_env=False,
+                           json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
             ended = wait_for("the episode ended",
                              lambda: (e := targets()[wedge]["episodes"][0])["end"] and e, 60)
             # start and end are the times of the samples that saw them (a sample's clock starts

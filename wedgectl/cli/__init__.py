@@ -23,7 +23,7 @@ from typer.core import TyperGroup
 from wedgectl import __version__
 from wedgectl.cli import checks
 from wedgectl.model import bounds, exitcodes
-from wedgectl.model.errors import WedgectlError
+from wedgectl.model.errors import UnwritableOutput, WedgectlError
 from wedgectl.model.types import ProbeBackend, ProbeMode
 from wedgectl.read.redact import printable, redact_text
 
@@ -408,6 +408,53 @@ def swap(
     with contextlib.suppress(OSError):  # a terminal gone with SIGHUP: the swap itself is done
         _finish(render_swap(result, as_json), as_json, code)
     raise typer.Exit(code)
+
+
+@app.command()
+def remedy(
+    pid: Annotated[int, typer.Option("--pid", callback=checks.pid,
+                                     help="Any pid of the vLLM deployment: every act needs its processes.")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Carry the plan out (without it: print it only).")] = False,
+    restart: Annotated[bool,
+                       typer.Option("--restart",
+                                    help="Allow a restart for the classes no act ends in place (as `swap` does: "
+                                         "same command, same user, fixes on; under a supervisor, end it).")] = False,
+    save_bundle: Annotated[Optional[Path],
+                           typer.Option("--save-bundle", callback=checks.new_output,
+                                        help="Where the evidence goes before any act [default: "
+                                             "./wedgectl-remedy-PID-TIME.tar.gz].")] = None,
+    window: Annotated[float,
+                      typer.Option("--window", callback=checks.seconds,
+                                   help="Seconds to sample the server, before and after acting.")] = 6.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: plan, what was done, after.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
+) -> None:
+    """Diagnose, save the evidence, and end the hang with the least drastic act its class allows.
+
+    In place, same processes: an admission wedge (its client connections ended from the server's side; needs
+    CAP_NET_ADMIN). Stopped: an orphaned engine (its /dev/shm freed), a shutdown hang (SIGKILL). Restarted, only
+    with --restart: engine deadlock, collective hang, start-up hang, engine dead, leaked capacity. Nothing:
+    starved, idle, progressing, inconclusive. After acting it diagnoses again.
+
+    Exit status: without --yes, the verdict's code (as diagnose); with it, 0 the hang is over; 47 no act ends
+    this hang here (it says why: no --restart, no CAP_NET_ADMIN, no connection); 48 acted, and the hang is still
+    there; 10/15 and the like, nothing to do for the verdict; 20+ bad input.
+    """
+    from wedgectl.capture.diagnosis import LiveOptions
+    from wedgectl.lab.remedy import remedy as run_remedy
+    from wedgectl.render.text import render_remedy
+
+    if save_bundle is None:
+        import time
+
+        save_bundle = Path.cwd() / f"wedgectl-remedy-{pid}-{time.strftime('%Y%m%dT%H%M%S')}.tar.gz"
+        problem = checks.output_problem(save_bundle, new=True)
+        if problem is not None:
+            raise UnwritableOutput(f"{save_bundle}: {problem}; refused (give --save-bundle)")
+    say = None if quiet or as_json and not sys.stderr.isatty() else _progress
+    outcome = run_remedy(pid, yes=yes, restart=restart, save_to=save_bundle,
+                         options=LiveOptions(window_s=window), progress=say)
+    _finish(render_remedy(outcome, as_json), as_json, outcome.exit_code)
 
 
 @app.command()

@@ -476,6 +476,18 @@ class _Tree:
                 time.sleep(0.1)
 
 
+def runs_as_planned(pid: int, planned_ticks: int | None) -> bool:
+    """pid runs and is the process planned on: its start time (procfs.start_ticks) is still `planned_ticks`;
+    a zombie has exited."""
+    now = procfs.start_ticks(pid)
+    if now is None or planned_ticks is None or now != planned_ticks:
+        return False
+    try:
+        return not _has_exited(psutil.Process(pid))
+    except psutil.Error:
+        return False
+
+
 def _has_exited(proc: psutil.Process) -> bool:
     # A zombie has exited; it only waits for its (new) parent to reap it.
     try:

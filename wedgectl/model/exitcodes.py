@@ -41,6 +41,8 @@ SWAP_FAILED = 43
 SWAP_UNSAFE = 44  # swap refused: the target's interpreter or site-packages is writable by another user
 SWAP_SUPERVISED = 45  # swap refused: a supervisor (systemd, Kubernetes, a container runtime) runs the target
 REPRO_NOT_APPLICABLE = 46  # the vLLM release lacks the behaviour a repro needs (its `[requires]`): nothing started
+REMEDY_NO_PATH = 47  # remedy: no act ends this hang here (no --restart, no CAP_NET_ADMIN, no connection to end)
+REMEDY_FAILED = 48  # remedy acted, and the hang is still there (or the act failed midway)
 INTERNAL = 70  # a bug in wedgectl; the message says where to report it
 INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it)
 

@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # named in annotations only: importing them would pull in wha
     from wedgectl.lab.patched import PatchedResult
     from wedgectl.lab.repro import ReproConfig, ReproResult
     from wedgectl.lab.runtime.install import Installed
+    from wedgectl.lab.remedy import Outcome
     from wedgectl.lab.swap import SwapPlan, SwapResult
 
 WIDTH = 80
@@ -372,3 +373,41 @@ def _swap_text(result: SwapResult) -> Iterator[str]:
     if result.restore_script:
         yield f"  to start the original command again: sh {result.restore_script}"
 
+
+def render_remedy(outcome: Outcome, as_json: bool = False) -> Iterator[str]:
+    """What `remedy` found, planned, did, and found after."""
+    if as_json:
+        yield dumps(redact_obj(outcome.to_json()))
+        return
+    yield from _remedy_text(outcome)
+
+
+@_text
+def _remedy_text(o: Outcome) -> Iterator[str]:
+    v = o.diagnosis.verdict
+    yield f"VERDICT  {v.verdict.value}  (confidence {v.confidence:.2f})"
+    yield from textwrap.wrap(v.summary, 100)
+    if o.diagnosis.saved is not None:
+        yield f"evidence: {o.diagnosis.saved}"
+    yield ""
+    plan = o.plan
+    if not plan.acts:
+        yield f"Remedy: none. {plan.why}"
+        return
+    yield f"Remedy: {plan.action}. {plan.why}"
+    for step in plan.steps:
+        yield f"  - {step}"
+    if not o.acted and o.failed is None:
+        yield "plan only: nothing was touched; run again with --yes to carry it out"
+        return
+    for line in o.done:
+        yield f"  done: {line}"
+    if o.failed is not None:
+        yield f"  not done: {o.failed}"
+    if o.after is not None:
+        a = o.after.verdict
+        yield f"after: {a.verdict.value}  (confidence {a.confidence:.2f}): {a.summary}"
+    if o.same_pids is not None:
+        yield "the server kept its processes (no restart)" if o.same_pids else "the server's processes changed"
+    if o.gone is not None:
+        yield "the hang is over" if o.gone else "the hang is NOT over"
