@@ -4,6 +4,7 @@ after the grace, and leaves its episode; a healthy server beside it does none of
 from __future__ import annotations
 
 import calendar
+import contextlib
 import json
 import re
 import shutil
@@ -286,6 +287,9 @@ def test_watch_exports_a_wedge_to_prometheus_and_fails_livez(vllm_server, kept_w
     assert [(x["event"], x["target"], x["verdict"], x["bundle"]) for x in lines] == [
         ("episode_start", wedge, "admission_wedge", str(saved)), ("episode_end", wedge, "admission_wedge", str(saved))]
     assert lines[1]["start"] == lines[0]["start"] and lines[1]["end"] and lines[1]["peak_queue"] >= 1
+    # 8. watch --remediate, budget 1: the wedge made again is ended once by the watcher itself; made a
+    # third time, soon after, it is a storm: no second act, and the watcher says so
+    check_remediating_watch(kept_wedge, wedge, tmp_path)
     # the kept repro ends the way its output said: `repro --stop` (here by its server's pid, so that a kept
     # admission wedge of the developer's own is left alone), which stops the server it recorded
     assert kept_wedge["stop_with"] == "wedgectl repro --stop admission-wedge"
@@ -300,3 +304,65 @@ def test_watch_exports_a_wedge_to_prometheus_and_fails_livez(vllm_server, kept_w
         except psutil.NoSuchProcess:
             return True
     wait_for("the kept server gone", server_gone, 30)
+
+
+WEDGING = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 110, "ignore_eos": True}
+
+
+def wedge_again(url: str) -> threading.Thread:
+    """The admission-wedge repro's request, sent again to its server (its fault still on): a client that
+    holds it until the server answers or the connection ends."""
+    def hold() -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(f"{url}/v1/completions", json=WEDGING, timeout=600, trust_env=False)
+
+    t = threading.Thread(target=hold, daemon=True)
+    t.start()
+    return t
+
+
+def check_remediating_watch(kept_wedge: dict, wedge: str, tmp_path: Path) -> None:
+    port = free_port()
+    out_path = tmp_path / "remediate.out"
+    with out_path.open("wb") as out, (tmp_path / "remediate.err").open("wb") as err:
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "wedgectl", "watch", "--pid", str(kept_wedge["pid"]), "--listen",
+             f"127.0.0.1:{port}", "--interval", "1", "--grace", "3", "--ebpf", "off", "--json",
+             "--remediate", "admission_wedge", "--remediate-budget", "1", "--bundle-dir", str(tmp_path / "rb")],
+            stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(timeout=5, trust_env=False) as c:
+            def target() -> dict:
+                return {t["target"]: t for t in c.get(f"{base}/v1/targets").json()["targets"]}[wedge]
+
+            wait_for("the watcher's first look", lambda: target()["verdict"] is not None, 60)
+            first = wedge_again(kept_wedge["url"])
+            acts = wait_for("the watcher's act", lambda: target()["remediations"], 150)
+            assert (acts[0]["verdict"], acts[0]["action"], acts[0]["result"]) == (
+                "admission_wedge", "end-client-connections", "gone"), acts
+            first.join(timeout=30)
+            assert not first.is_alive()  # its client got its answer: the connection ended
+            wait_for("the wedge over", lambda: target()["verdict"] in ("idle", "progressing"), 60)
+            wedge_again(kept_wedge["url"])
+            storm = wait_for("the storm", lambda: target()["remediation_storm"], 150)
+            assert storm.startswith("admission_wedge came back"), storm
+            time.sleep(4)  # past the grace and a few looks: still one act
+            view = target()
+            assert len(view["remediations"]) == 1 and view["verdict"] == "admission_wedge"
+            metrics = c.get(f"{base}/metrics").text
+            assert re.search(r'wedgectl_remediation_storm\{[^}]*port="%d"[^}]*\} 1\.0' % int(
+                kept_wedge["url"].rsplit(":", 1)[1]), metrics), metrics[-2000:]
+            assert re.search(r'wedgectl_remediations_total\{[^}]*result="gone"[^}]*verdict="admission_wedge"[^}]*\} '
+                             r'1\.0', metrics)
+        events = [json.loads(line)["event"] for line in out_path.read_text().splitlines() if line.startswith("{")]
+        assert events.count("remediation") == 1 and events.count("remediation_storm") == 1, events
+        saved = sorted((tmp_path / "rb").glob("wedgectl-watch-*-remedy-*.tar.gz"))
+        assert len(saved) == 1 and read_bundle(saved[0]).verdict.verdict is VerdictKind.ADMISSION_WEDGE
+    finally:
+        watch.send_signal(signal.SIGTERM)
+        try:
+            watch.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            watch.kill()
+            watch.wait(timeout=5)

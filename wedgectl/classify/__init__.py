@@ -17,7 +17,7 @@ from wedgectl.classify.evidence import (engine_cpu_evidence, engine_stack_eviden
 from wedgectl.classify.facts import MIN_FROZEN_S, STATS_INTERVAL_S, Facts, unix_to_logtime
 from wedgectl.classify.series import Series, slope_per_s
 from wedgectl.classify.live import LIVE_RULES
-from wedgectl.classify.log import LOG_RULES, stop_seen_s, too_short_to_tell
+from wedgectl.classify.log import LOG_RULES, REQUESTS_HELD, stop_seen_s, too_short_to_tell
 from wedgectl.classify.rule import Rule
 from wedgectl.classify.startup import starting
 from wedgectl.model.types import Bundle, Evidence, Verdict, VerdictKind
@@ -36,11 +36,20 @@ def classify_facts(facts: Facts) -> Verdict:
             if verdict is not None:
                 return _with_caveats(facts, verdict)
     if facts.log is not None:
-        for rule in LOG_RULES:
+        for rule in _log_rules(facts):
             verdict = rule(facts)
             if verdict is not None:
                 return _with_caveats(facts, verdict)
     return _inconclusive(facts)
+
+
+def _log_rules(f: Facts) -> tuple[Rule, ...]:
+    """The log rules that may decide: all of them, except that a live server whose /metrics now shows no
+    request running or waiting holds none, whatever its log's last stats lines say of requests held (a
+    wedge or a deadlock that ended, a restart of watch after one): those lines are its past."""
+    if f.is_live and f.last_metrics is not None and f.running == 0 and f.waiting == 0:
+        return tuple(r for r in LOG_RULES if r.holds not in REQUESTS_HELD)
+    return LOG_RULES
 
 
 def _with_caveats(f: Facts, verdict: Verdict) -> Verdict:

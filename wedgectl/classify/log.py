@@ -3,6 +3,8 @@ verdicts."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from wedgectl.classify import confidence as C
 from wedgectl.classify.collective import STEP_TIMEOUT_RULE
 from wedgectl.classify.evidence import (STARVED_ADVICE, failure_evidence, fmt_duration, log_stamp, message,
@@ -377,6 +379,10 @@ def _never_asked_verdict(f: Facts) -> Verdict:
         {"quiet_s": None if quiet is None else round(quiet, 1), "probes": probes},
     )
 
+
+# The log rules that say the server holds requests now (stuck, or queued): a live capture whose /metrics shows
+# none running or waiting overrules them (classify._log_rules).
+REQUESTS_HELD: tuple[Callable[[Facts], bool], ...] = (log_engine_deadlock, log_admission_wedge, log_starved)
 
 LOG_RULES: tuple[Rule, ...] = (
     STEP_TIMEOUT_RULE,

@@ -507,6 +507,17 @@ def watch(
     total_budget_mb: Annotated[float,
                                typer.Option("--total-budget-mb", callback=checks.within(0.0625, bounds.MAX_MIB),
                                             help="MiB all servers' kept samples may take.")] = 256.0,
+    remediate: Annotated[Optional[str],
+                         typer.Option("--remediate", metavar="CLASSES",
+                                      help="Act on hangs of these classes (comma-separated verdicts, e.g. "
+                                           "admission_wedge,orphaned_engine) once they have lasted --grace, as "
+                                           "`wedgectl remedy --yes --restart` does; the restart classes are "
+                                           "restarted. Off by default.")] = None,
+    remediate_budget: Annotated[int,
+                                typer.Option("--remediate-budget", callback=checks.count,
+                                             help="At most this many acts per server per hour. The same hang back "
+                                                  "within the hour after an act ended it stops all acts on that "
+                                                  "server (a storm).")] = 1,
 ) -> None:
     """Classify every vLLM server continuously; serve the verdicts to Prometheus and liveness probes.
 
@@ -529,10 +540,16 @@ def watch(
     budgets = (target_budget_mb, total_budget_mb)
     if max_targets < 1 or not all(math.isfinite(b) and 0.0625 <= b <= 1 << 20 for b in budgets):
         raise typer.BadParameter("--max-targets must be >= 1, --target-budget-mb and --total-budget-mb 0.0625..1048576")
+    from wedgectl.watch.remediation import Policy, parse_classes
+
     try:
         uids = parse_users(users) if users is not None else None
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    try:
+        policy = Policy(parse_classes(remediate), remediate_budget) if remediate is not None else None
+    except ValueError as exc:
+        raise checks.Refused(f"--remediate {printable(remediate or '')[:80]}: {exc}") from None
     from wedgectl.watch.exposition import WebConfigError, load_web_config
 
     try:
@@ -546,7 +563,7 @@ def watch(
                            rotation=Rotation(bundle_keep, int(bundle_max_mb * (1 << 20))), ebpf=ebpf.value,
                            as_json=as_json, users=uids, max_targets=max_targets,
                            target_budget_bytes=int(target_budget_mb * (1 << 20)),
-                           total_budget_bytes=int(total_budget_mb * (1 << 20)))
+                           total_budget_bytes=int(total_budget_mb * (1 << 20)), remediate=policy)
     try:
         os.nice(10)  # a watcher yields the CPU to the servers it watches
     except OSError:

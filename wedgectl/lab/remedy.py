@@ -181,12 +181,16 @@ def plan_for(b: Bundle, kind: VerdictKind, restart: bool, supervised: str | None
 
 
 def remedy(pid: int, *, yes: bool, restart: bool, save_to: Path | None,
-           options: LiveOptions = LiveOptions(), progress: Progress | None = None) -> Outcome:
-    """Diagnose, save the evidence to `save_to`, plan, and with `yes` act and diagnose again."""
+           options: LiveOptions = LiveOptions(), progress: Progress | None = None,
+           on_evidence: Callable[[Diagnosis], None] | None = None) -> Outcome:
+    """Diagnose, save the evidence to `save_to` (and hand it to `on_evidence`: watch keeps it with its own
+    bundles), plan, and with `yes` act and diagnose again. Both before any act."""
     say = progress or (lambda _m: None)
     found = diagnose(pid=pid, save_to=save_to, options=options, progress=progress)
     if found.saved is not None:
         say(f"evidence saved to {found.saved}")
+    if on_evidence is not None:
+        on_evidence(found)
     kind = found.verdict.verdict
     supervised = _supervised(found.bundle) if restart and kind in RESTART_CLASSES else None
     plan = plan_for(found.bundle, kind, restart, supervised)

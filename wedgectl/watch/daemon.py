@@ -20,11 +20,12 @@ from wedgectl.capture.options import SamplerOptions
 from wedgectl.capture.runner import Workers
 from wedgectl.capture.window import capture
 from wedgectl.read.redact import printable, redact_text
-from wedgectl.model.types import Bundle
+from wedgectl.model.types import Bundle, VerdictKind
 from wedgectl.watch.exposition import DEFAULT_LISTEN, Endpoint, Snapshot, WebConfig
 from wedgectl.watch.recorder import Rotation, check_bundle_dir, save_onset
 from wedgectl.render.text import SCHEMA_VERSION
-from wedgectl.watch.state import Episode, Escalation, Tracker, hang_onset, is_hang, iso, queue_of
+from wedgectl.watch.remediation import ERROR, GONE, NO_PATH, NOT_GONE, Act, Policy, TargetRemediation
+from wedgectl.watch.state import Episode, Escalation, TargetView, Tracker, hang_onset, is_hang, iso, queue_of
 from wedgectl.watch.targets import Spec, Watched, host_deployments, node_name
 
 ONSET_WINDOW_S = 6.0  # the onset bundle's own capture (stops early once certain), probes alongside
@@ -35,6 +36,8 @@ RECORD_WAIT_S = 60.0  # an episode's end line waits this long at most for its on
 # collector an evaluation calls is bounded well within it; this bounds what no collector foresaw.
 EVALUATION_BOUND_S = 30.0
 RECORD_BOUND_S = 300.0  # the same for an onset recording (its capture, the probes, the save)
+# A remedy (its diagnosis, the act, the second diagnosis; a restart waits for /health) past this is abandoned
+REMEDY_BOUND_S = 900.0
 EXIT_WAIT_S = 2.0  # at exit, the ticks under way get this long to finish (SIGTERM to exit within 5 s)
 TARGET_BUDGET_BYTES = 8 << 20  # each target's kept samples (--target-budget-mb)
 TOTAL_BUDGET_BYTES = 256 << 20  # all targets' kept samples together (--total-budget-mb)
@@ -58,6 +61,7 @@ class WatchOptions:
     total_budget_bytes: int = TOTAL_BUDGET_BYTES
     max_targets: int = MAX_TARGETS
     users: frozenset[int] | None = None  # host mode adopts processes of these uids; None: root and our own
+    remediate: Policy | None = None  # --remediate: the classes it acts on, and its budget
 
 
 def episode_lines(event: str, ep: Episode, as_json: bool, now: float) -> Iterator[str]:
@@ -93,6 +97,8 @@ class Watcher:
         self._running: dict[object, Future] = {}
         self._started: dict[object, float] = {}  # when each target's last evaluation began (monotonic)
         self._recording: dict[object, Future] = {}
+        self.remediations: dict[object, TargetRemediation] = {}
+        self._actors = Workers(1, REMEDY_BOUND_S, name="wedgectl-watch-remedy")  # one act at a time, host-wide
         self._discovered = 0.0
         self.users = options.users if options.users is not None else frozenset({0, os.getuid()})
         self._told: set[int] = set()  # host-mode pids whose skipping was said (said once, at first sight)
@@ -214,6 +220,9 @@ class Watcher:
                 tracker.name, tracker.labels = w.name, w.labels  # named from its first sample's model, never after
             changed = tracker.observe(verdict, sample.t, queue_of(window), onset)
             esc.update(window, verdict.verdict)
+            hang_since = tracker.current.start if tracker.current is not None else None
+        if self.options.remediate is not None:
+            self._maybe_remedy(key, w, verdict.verdict, hang_since, changed)
         if changed is None:
             return
         if changed.open:
@@ -225,6 +234,71 @@ class Watcher:
                 self._recording[key] = recording
         else:
             self._ended(key, tracker, changed)
+
+    # ----------------------------------------------------------- acting (--remediate)
+
+    def _maybe_remedy(self, key: object, w: Watched, kind: VerdictKind, hang_since: float | None,
+                      changed: Episode | None) -> None:
+        policy = self.options.remediate
+        assert policy is not None
+        now = time.time()
+        with self._lock:
+            rem = self.remediations.setdefault(key, TargetRemediation())
+            storm = rem.episode_opened(policy, changed.verdict, now) if changed is not None and changed.open else None
+            go, _held = rem.due(policy, kind, hang_since, now, self.options.grace_s)
+            if go and w.pid is not None:
+                rem.begin(now)
+        if storm is not None:
+            self._emit_event({"event": "remediation_storm", "target": w.name, "verdict": kind.value, "why": storm},
+                             f"{iso(now)} {w.name}: remediation storm: {storm}")
+        if go and w.pid is not None and self._actors.submit(self._remedy, key, w, kind) is None:
+            with self._lock:
+                rem.acted(Act(now, kind, "none", ERROR, "no free worker to act"))
+
+    def _remedy(self, key: object, w: Watched, kind: VerdictKind) -> None:
+        """Run the remedy for the target's hang (lab.remedy: its own diagnosis, saved with the episode's
+        bundles before it acts; the act; a second diagnosis) and record what it came to."""
+        from wedgectl.capture.diagnosis import LiveOptions
+        from wedgectl.lab.remedy import remedy
+
+        t = time.time()
+        assert w.pid is not None
+        options = LiveOptions(window_s=ONSET_WINDOW_S, ebpf="off", low_priority=False)  # the whole process's nice
+        try:
+            out = remedy(w.pid, yes=True, restart=True, save_to=None, options=options,
+                         on_evidence=lambda found: self._save_remedy_evidence(w, found.bundle, kind))
+            if not out.acted and out.plan.verdict is not kind:  # its closer look disagrees: nothing done or counted
+                with self._lock:
+                    self.remediations.setdefault(key, TargetRemediation()).cancel()
+                self.say(f"{w.name}: the remedy's diagnosis found {out.plan.verdict.value}, not {kind.value}: no act")
+                return
+            result = GONE if out.gone else NOT_GONE if out.acted else NO_PATH
+            detail = out.failed or "; ".join(out.done[:3]) or out.plan.why
+            act = Act(t, kind, out.plan.action, result, detail[:500])
+        except Exception as exc:  # noqa: BLE001 - an act that failed is recorded, never fatal to the watcher
+            act = Act(t, kind, "unknown", ERROR, f"{type(exc).__name__}: {exc}"[:500])
+        with self._lock:
+            self.remediations.setdefault(key, TargetRemediation()).acted(act)
+        self._emit_event({"event": "remediation", "target": w.name, **act.to_json()},
+                         f"{iso(act.t)} {w.name}: remedy {act.action} for {kind.value}: {act.result}"
+                         + (f" ({act.detail})" if act.detail else ""))
+
+    def _save_remedy_evidence(self, w: Watched, bundle: Bundle, kind: VerdictKind) -> None:
+        """The remedy's evidence with the episode's bundles, when its diagnosis confirms the hang it acts on."""
+        if self.options.bundle_dir is None or bundle.verdict is None or bundle.verdict.verdict is not kind:
+            return
+        try:
+            save_onset(bundle, self.options.bundle_dir, w.name, "remedy", self.options.rotation)
+        except (OSError, WedgectlError) as exc:
+            with self._lock:
+                self.failures[("recorder", "error")] += 1
+            self.say(f"{w.name}: the remedy's evidence was not saved: {exc}")
+
+    def _emit_event(self, obj: dict, text: str) -> None:
+        if self.options.as_json:
+            self.emit(json.dumps({**obj, "schema_version": SCHEMA_VERSION}, separators=(",", ":"), default=str))
+        else:
+            self.emit(printable(text))
 
     def _ended(self, key: object, tracker: Tracker, ep: Episode) -> None:
         """The end line, once the onset's recording is done: the start line comes first, and the end
@@ -282,10 +356,14 @@ class Watcher:
 
     def snapshot(self) -> Snapshot:
         with self._lock:
-            views = tuple(self.trackers[k].view(w.deployment.base_url, w.pid, self.escalations[k].full,
-                                                kept_bytes=w.kept_bytes, budget_exceeded=w.budget_exceeded, up=w.up)
-                          for k, w in self.watched.items() if k in self.trackers)
+            views = tuple(self._with_acts(k, self.trackers[k].view(
+                w.deployment.base_url, w.pid, self.escalations[k].full, kept_bytes=w.kept_bytes,
+                budget_exceeded=w.budget_exceeded, up=w.up)) for k, w in self.watched.items() if k in self.trackers)
             return Snapshot(time.time(), self.options.grace_s, views, dict(self.failures))
+
+    def _with_acts(self, key: object, view: TargetView) -> TargetView:
+        rem = self.remediations.get(key)
+        return view if rem is None else replace(view, remediations=tuple(rem.acts), remediation_storm=rem.storm)
 
     def close(self, wait_s: float = EXIT_WAIT_S) -> None:
         """Let the ticks under way finish (each is bounded), for at most wait_s."""
@@ -305,6 +383,9 @@ def run_watch(options: WatchOptions, stop: threading.Event, emit: Callable[[str]
         f"grace {options.grace_s:g}s, bundles {options.bundle_dir or 'not saved (no --bundle-dir)'}")
     if endpoint.exposure is not None:
         say(f"warning: {endpoint.exposure}")
+    if options.remediate is not None:
+        say(f"acting on {', '.join(sorted(k.value for k in options.remediate.classes))} after the grace, at most "
+            f"{options.remediate.budget} act(s) per server per hour")
     start = time.monotonic()
     try:
         while not stop.is_set():

@@ -23,6 +23,7 @@ import socket
 import ssl
 import stat
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -126,9 +127,18 @@ class WatchCollector(Collector):
         budget = CounterMetricFamily("wedgectl_budget_exceeded", "Times the target's kept samples went over its "
                                      "byte budget (--target-budget-mb, --total-budget-mb) and were trimmed.",
                                      labels=ids)
+        acts = CounterMetricFamily("wedgectl_remediations", "Acts of watch --remediate on the target, by the hang "
+                                   "class, the act (lab.remedy's name) and what it came to (gone, not_gone, no_path, "
+                                   "error).", labels=[*ids, "verdict", "action", "result"])
+        storm = GaugeMetricFamily("wedgectl_remediation_storm", "1 once watch --remediate stopped acting on the "
+                                  "target: the same hang came back soon after an act ended it.", labels=ids)
         for v in snap.targets:
             me = [v.name, *(v.labels or TargetLabels(node=v.name)).values()]
             up.add_metric(me, 1.0 if v.up else 0.0)
+            storm.add_metric(me, 1.0 if v.remediation_storm else 0.0)
+            counts = Counter((a.verdict.value, a.action, a.result) for a in v.remediations)
+            for (kind_name, action, result), n in sorted(counts.items()):
+                acts.add_metric([*me, kind_name, action, result], float(n))
             stale.add_metric(me, 1.0 if v.stale else 0.0)
             kept.add_metric(me, float(v.kept_bytes))
             budget.add_metric(me, float(v.budget_exceeded))
@@ -148,7 +158,8 @@ class WatchCollector(Collector):
             failures.add_metric([collector, why], float(n))
         build = InfoMetricFamily("wedgectl_build", "The wedgectl that answers.", value={"version": __version__})
         targets = GaugeMetricFamily("wedgectl_targets", "Deployments under watch.", value=len(snap.targets))
-        yield from (verdict, confidence, state, up, episodes, last, failures, build, targets, stale, kept, budget)
+        yield from (verdict, confidence, state, up, episodes, last, failures, build, targets, stale, kept, budget,
+                    acts, storm)
 
 
 def make_registry(snapshot: Callable[[], Snapshot]) -> CollectorRegistry:

@@ -95,6 +95,8 @@ class TargetView:
     budget_exceeded: int = 0  # times its kept samples went over its byte budget and were trimmed
     labels: TargetLabels | None = None
     up: bool = False  # its last look read it: /metrics answered (its processes, where it has no URL)
+    remediations: tuple[Any, ...] = ()  # watch --remediate: its acts (remediation.Act), oldest first
+    remediation_storm: str | None = None  # why automatic acts on it stopped, once they did
 
     @property
     def hang_since(self) -> float | None:
@@ -124,6 +126,7 @@ class TargetView:
             "live": not self.failing_liveness(now, grace_s), "stale": self.stale,
             "kept_bytes": self.kept_bytes, "budget_exceeded": self.budget_exceeded,
             "episodes": [e.to_json(now) for e in self.episodes],
+            "remediations": [a.to_json() for a in self.remediations], "remediation_storm": self.remediation_storm,
         })
 
 
