@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
+import httpx
 import pytest
 
 from test_repros import evidence_text, repro  # the one helper that runs `wedgectl repro NAME --json`
+from wedgectl.collect.control import stop_tree
 from wedgectl.store.bundle import read_bundle
 from wedgectl.read.metrics import parse_metrics
 from wedgectl.model.types import Role
@@ -26,8 +32,35 @@ def test_deferred_wedge(vllm_python, tmp_path):
     assert m.running == 0 and b.samples[-1].health_status == 200  # health passes, nothing runs
 
 
-def test_leaked_capacity(vllm_python, tmp_path):
-    rc, out = repro("leaked-capacity", tmp_path)
+def test_leaked_capacity_then_remedied_by_a_restart(vllm_python, tmp_path):
+    """Kept, diagnosed, then `wedgectl remedy --restart` gives the capacity back: the ghosts have no connection
+    to end and no id to abort by, so it restarts the server as swap does (the reaper on from then)."""
+    rc, out = repro("leaked-capacity", tmp_path, "--keep")
+    new_pid = None
+    try:
+        check_leak(rc, out)
+        r = subprocess.run([sys.executable, "-m", "wedgectl", "remedy", "--pid", str(out["pid"]), "--yes", "--json"],
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        planned = json.loads(r.stdout)  # without --restart: no act ends it, and it says why
+        assert (r.returncode, planned["plan"]["action"], planned["acted"]) == (47, "none", False), planned
+        assert planned["failed"].endswith("run again with --restart")
+        r = subprocess.run([sys.executable, "-m", "wedgectl", "remedy", "--pid", str(out["pid"]), "--yes", "--restart",
+                            "--json"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        done = json.loads(r.stdout)
+        new_pid = done["new_pid"]
+        assert (r.returncode, done["plan"]["action"], done["gone"]) == (0, "restart", True), (done, r.stderr[-3000:])
+        assert new_pid is not None and new_pid != out["pid"] and done["after"]["verdict"] in ("idle", "progressing")
+        page = parse_metrics(httpx.get(f"{out['url']}/metrics", timeout=10, trust_env=False).text)
+        assert (page.running, page.waiting) == (0, 0) and not page.kv_usage  # the slots and the KV blocks are back
+        assert list(tmp_path.glob("wedgectl-remedy-*.tar.gz"))  # the evidence, saved before each act
+    finally:
+        if new_pid is not None:
+            stop_tree(new_pid, grace=10)
+        subprocess.run([sys.executable, "-m", "wedgectl", "repro", "--stop", "leaked-capacity"], capture_output=True,
+                       timeout=120)
+
+
+def check_leak(rc: int, out: dict) -> None:
     assert (out["verdict"], out["expected"], rc) == ("leaked_capacity", "leaked_capacity", 0), evidence_text(out)
     facts = out["facts"]
     assert facts["running"] == 3 and facts["waiting"] == 1  # three ghosts hold every slot; one real client waits

@@ -118,7 +118,7 @@ class Outcome:
                 "bundle": str(self.diagnosis.saved) if self.diagnosis.saved else None,
                 "plan": self.plan.to_json(), "acted": self.acted, "done": self.done, "failed": self.failed,
                 "after": None if after is None else {"verdict": after.verdict.value, "summary": after.summary},
-                "gone": self.gone, "same_pids": self.same_pids}
+                "gone": self.gone, "same_pids": self.same_pids, "new_pid": self.after_pid}
 
 
 # ------------------------------------------------------------------ planning (pure)
