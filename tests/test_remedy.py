@@ -73,10 +73,21 @@ def test_the_classes_only_a_restart_ends_need_restart(name, kind):
     assert supervised.action == rm.RESTART and "systemd starts it again" in supervised.steps[0]
 
 
-def test_a_wedge_whose_api_server_was_not_seen_has_no_connection_to_end():
-    b, got = recorded("admission-wedge")
+@pytest.mark.parametrize("name", ["admission-wedge", "shutdown-hang", "orphaned-engine", "engine-deadlock"])
+def test_evidence_without_the_processes_gets_no_act(name):
+    """--url alone (or no access to the processes): the verdict and why nothing can be done, never an act."""
+    b, got = recorded(name)
     blind = replace(b, samples=tuple(replace(s, processes=()) for s in b.samples))
-    plan = rm.plan_for(blind, got, restart=False)
+    for restart in (False, True):
+        plan = rm.plan_for(blind, got, restart=restart)
+        assert plan.action == rm.NOTHING and "run again with --pid" in plan.why and plan.pids == ()
+
+
+def test_a_wedge_whose_api_server_port_was_not_seen_has_no_connection_to_end():
+    b, got = recorded("admission-wedge")
+    deaf = replace(b, samples=tuple(replace(s, processes=tuple(
+        replace(p, listening=()) if p.role is Role.API_SERVER else p for p in s.processes)) for s in b.samples))
+    plan = rm.plan_for(deaf, got, restart=False)
     assert plan.action == rm.NOTHING and "no connection to end" in plan.why
 
 
@@ -184,6 +195,8 @@ def _remedy(*args: str) -> subprocess.CompletedProcess:
 def test_remedy_needs_a_pid_and_refuses_a_dead_one_in_one_line(tmp_path):
     r = _remedy("--yes")
     assert r.returncode == exitcodes.USAGE and "--pid" in r.stderr
+    r = _remedy("--url", "http://127.0.0.1:9", "-q", "--save-bundle", str(tmp_path / "u.tar.gz"))
+    assert r.returncode == exitcodes.UNREACHABLE and len(r.stderr.strip().splitlines()) == 1, r.stderr
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     r = _remedy("--pid", str(gone.pid), "--save-bundle", str(tmp_path / "b.tar.gz"))

@@ -410,10 +410,17 @@ def swap(
     raise typer.Exit(code)
 
 
+def _target(flag: str, help_text: str) -> Any:
+    """--pid or --url, range- or form-checked as every command checks them."""
+    return typer.Option(flag, callback=checks.pid if flag == "--pid" else checks.url, help=help_text)
+
+
 @app.command()
 def remedy(
-    pid: Annotated[int, typer.Option("--pid", callback=checks.pid,
-                                     help="Any pid of the vLLM deployment: every act needs its processes.")],
+    pid: Annotated[Optional[int], _target("--pid", "Any pid of the vLLM deployment: every act needs its processes.")
+                   ] = None,
+    url: Annotated[Optional[str], _target("--url", "The server's base URL, alone: the verdict and the plan, with no "
+                                                   "act (that needs --pid).")] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Carry the plan out (without it: print it only).")] = False,
     restart: Annotated[bool,
                        typer.Option("--restart",
@@ -444,15 +451,17 @@ def remedy(
     from wedgectl.lab.remedy import remedy as run_remedy
     from wedgectl.render.text import render_remedy
 
+    if (pid is None) == (url is None):
+        raise typer.BadParameter("give --pid (or --url, for the plan alone)")
     if save_bundle is None:
         import time
 
-        save_bundle = Path.cwd() / f"wedgectl-remedy-{pid}-{time.strftime('%Y%m%dT%H%M%S')}.tar.gz"
+        save_bundle = Path.cwd() / f"wedgectl-remedy-{pid or 'url'}-{time.strftime('%Y%m%dT%H%M%S')}.tar.gz"
         problem = checks.output_problem(save_bundle, new=True)
         if problem is not None:
             raise UnwritableOutput(f"{save_bundle}: {problem}; refused (give --save-bundle)")
     say = None if quiet or as_json and not sys.stderr.isatty() else _progress
-    outcome = run_remedy(pid, yes=yes, restart=restart, save_to=save_bundle,
+    outcome = run_remedy(pid, url, yes=yes, restart=restart, save_to=save_bundle,
                          options=LiveOptions(window_s=window), progress=say)
     _finish(render_remedy(outcome, as_json), as_json, outcome.exit_code)
 

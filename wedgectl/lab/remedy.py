@@ -145,6 +145,9 @@ def plan_for(b: Bundle, kind: VerdictKind, restart: bool, supervised: str | None
     api = next((p for p in procs if p.role is Role.API_SERVER), None)
     if kind in NOTHING_WHY:
         return Plan(kind, NOTHING, NOTHING_WHY[kind])
+    if not procs:
+        return Plan(kind, NOTHING, "the evidence holds no process of the deployment (metrics only, --url): every "
+                                   "act needs them; run again with --pid, as root or the server's user")
     if kind is V.ADMISSION_WEDGE:
         port = _port_of(api) if api is not None else None
         if api is None or port is None:
@@ -180,13 +183,13 @@ def plan_for(b: Bundle, kind: VerdictKind, restart: bool, supervised: str | None
 # ------------------------------------------------------------------ acting
 
 
-def remedy(pid: int, *, yes: bool, restart: bool, save_to: Path | None,
+def remedy(pid: int | None, url: str | None = None, *, yes: bool, restart: bool, save_to: Path | None,
            options: LiveOptions = LiveOptions(), progress: Progress | None = None,
            on_evidence: Callable[[Diagnosis], None] | None = None) -> Outcome:
     """Diagnose, save the evidence to `save_to` (and hand it to `on_evidence`: watch keeps it with its own
     bundles), plan, and with `yes` act and diagnose again. Both before any act."""
     say = progress or (lambda _m: None)
-    found = diagnose(pid=pid, save_to=save_to, options=options, progress=progress)
+    found = diagnose(pid=pid, url=url, save_to=save_to, options=options, progress=progress)
     if found.saved is not None:
         say(f"evidence saved to {found.saved}")
     if on_evidence is not None:
@@ -198,7 +201,7 @@ def remedy(pid: int, *, yes: bool, restart: bool, save_to: Path | None,
     ticks = {p.pid: t for p in _last_processes(found.bundle) if (t := start_ticks(p.pid)) is not None}
     out = Outcome(found, plan)
     if not plan.acts:
-        if kind in RESTART_CLASSES or kind is V.ADMISSION_WEDGE:
+        if kind not in NOTHING_WHY:  # a hang no act here ends: say why, and exit 47
             out.failed = plan.why
         return out
     if not yes:
@@ -299,7 +302,7 @@ def _supervised(b: Bundle) -> str | None:
     return None if sup is None else sup.kind
 
 
-def _check_after(pid: int, plan: Plan, ticks: dict[int, int], out: Outcome,
+def _check_after(pid: int | None, plan: Plan, ticks: dict[int, int], out: Outcome,
                  options: LiveOptions, say: Progress) -> None:
     """Whether the hang is over: the deployment diagnosed again, or for a stop, nothing left of it."""
     if plan.action in (STOP_ORPHANS, KILL) or (plan.action == RESTART and out.after_pid is None):
