@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from wedgectl.classify.facts import Facts
 from wedgectl.capture.diagnosis import Diagnosis, LiveOptions, diagnose
 from wedgectl.collect import sockets, sockkill
 from wedgectl.collect.control import runs_as_planned, stop_tree
@@ -124,10 +125,6 @@ class Outcome:
 # ------------------------------------------------------------------ planning (pure)
 
 
-def _last_processes(b: Bundle) -> tuple[ProcessSample, ...]:
-    return next((s.processes for s in reversed(b.samples) if s.processes), ())
-
-
 def _port_of(p: ProcessSample) -> int | None:
     for address in p.listening:
         try:
@@ -140,7 +137,7 @@ def _port_of(p: ProcessSample) -> int | None:
 def plan_for(b: Bundle, kind: VerdictKind, restart: bool, supervised: str | None = None) -> Plan:
     """The plan for evidence `b` classified as `kind`. `restart`: --restart was given; `supervised`: what
     supervises the server (a restart then only ends the tree), None for a bare server."""
-    procs = _last_processes(b)
+    procs = Facts(b).last_processes
     pids = tuple(p.pid for p in procs)
     api = next((p for p in procs if p.role is Role.API_SERVER), None)
     if kind in NOTHING_WHY:
@@ -198,7 +195,7 @@ def remedy(pid: int | None, url: str | None = None, *, yes: bool, restart: bool,
     supervised = _supervised(found.bundle) if restart and kind in RESTART_CLASSES else None
     plan = plan_for(found.bundle, kind, restart, supervised)
     # every process of the deployment, with the start time it has now: acts and checks go by these
-    ticks = {p.pid: t for p in _last_processes(found.bundle) if (t := start_ticks(p.pid)) is not None}
+    ticks = {p.pid: t for p in Facts(found.bundle).last_processes if (t := start_ticks(p.pid)) is not None}
     out = Outcome(found, plan)
     if not plan.acts:
         if kind not in NOTHING_WHY:  # a hang no act here ends: say why, and exit 47
@@ -292,7 +289,7 @@ def _supervised(b: Bundle) -> str | None:
     """What supervises the deployment's API server ('systemd unit X', 'Kubernetes'), None for a bare one."""
     from wedgectl.lab.swap import plan_swap
 
-    api = next((p for p in _last_processes(b) if p.role is Role.API_SERVER), None)
+    api = Facts(b).api_server
     if api is None:
         return None
     try:
