@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wedgectl.classify.facts import Facts
 from wedgectl.capture.diagnosis import Diagnosis, LiveOptions, diagnose
@@ -38,6 +38,9 @@ from wedgectl.collect.procfs.stat import start_ticks
 from wedgectl.model import exitcodes
 from wedgectl.model.errors import NoSuchProcess, WedgectlError
 from wedgectl.model.types import Bundle, ProcessSample, Role, VerdictKind
+
+if TYPE_CHECKING:
+    from wedgectl.lab.swap import SwapPlan
 
 V = VerdictKind
 Progress = Callable[[str], None]
@@ -192,7 +195,9 @@ def remedy(pid: int | None, url: str | None = None, *, yes: bool, restart: bool,
     if on_evidence is not None:
         on_evidence(found)
     kind = found.verdict.verdict
-    supervised = _supervised(found.bundle) if restart and kind in RESTART_CLASSES else None
+    # planned once: what supervises it decides the plan, and the same swap plan carries the restart out
+    swap_plan = _swap_plan(found.bundle) if restart and kind in RESTART_CLASSES else None
+    supervised = swap_plan.supervisor.kind if swap_plan is not None and swap_plan.supervisor is not None else None
     plan = plan_for(found.bundle, kind, restart, supervised)
     # every process of the deployment, with the start time it has now: acts and checks go by these
     ticks = {p.pid: t for p in Facts(found.bundle).last_processes if (t := start_ticks(p.pid)) is not None}
@@ -211,7 +216,7 @@ def remedy(pid: int | None, url: str | None = None, *, yes: bool, restart: bool,
         elif plan.action in (STOP_ORPHANS, KILL) or (plan.action == RESTART and supervised):
             _stop(plan, ticks, out, say)
         else:
-            _restart(plan, out, say)
+            _restart(plan, out, say, swap_plan)
     except (OSError, WedgectlError) as exc:
         out.failed = str(exc)
         out.gone = False
@@ -271,11 +276,13 @@ def _stop(plan: Plan, ticks: dict[int, int], out: Outcome, say: Progress) -> Non
     say(out.done[0])
 
 
-def _restart(plan: Plan, out: Outcome, say: Progress) -> None:
+def _restart(plan: Plan, out: Outcome, say: Progress, swap_plan: SwapPlan | None) -> None:
+    """As swap does, by the plan made when remedy planned (None: it could not be made then; swap plans
+    again, and says why it refuses)."""
     from wedgectl.lab.swap import swap_deployment
 
     api = next(iter(plan.pids))
-    result = swap_deployment(api, progress=say)
+    result = swap_deployment(api, progress=say, plan=swap_plan)
     out.done.append(result.message)
     if not result.ok:
         out.failed = result.message
@@ -285,18 +292,18 @@ def _restart(plan: Plan, out: Outcome, say: Progress) -> None:
         out.after_pid = result.new_pid
 
 
-def _supervised(b: Bundle) -> str | None:
-    """What supervises the deployment's API server ('systemd unit X', 'Kubernetes'), None for a bare one."""
+def _swap_plan(b: Bundle) -> SwapPlan | None:
+    """The swap plan of the deployment's API server (its supervisor among what it says), None when there is
+    no API server in the evidence or swap cannot plan for it."""
     from wedgectl.lab.swap import plan_swap
 
     api = Facts(b).api_server
     if api is None:
         return None
     try:
-        sup = plan_swap(api.pid).supervisor
+        return plan_swap(api.pid)
     except (OSError, WedgectlError):
         return None
-    return None if sup is None else sup.kind
 
 
 def _check_after(pid: int | None, plan: Plan, ticks: dict[int, int], out: Outcome,

@@ -64,11 +64,15 @@ class WatchOptions:
     remediate: Policy | None = None  # --remediate: the classes it acts on, and its budget
 
 
+def json_line(obj: dict) -> str:
+    """One event of watch's --json output: compact, with the schema version."""
+    return json.dumps({**obj, "schema_version": SCHEMA_VERSION}, separators=(",", ":"), default=str)
+
+
 def episode_lines(event: str, ep: Episode, as_json: bool, now: float) -> Iterator[str]:
     """One line per transition: 'start' when a target enters a hang class, 'end' when it leaves."""
     if as_json:
-        yield json.dumps({"event": f"episode_{event}", **ep.to_json(now), "schema_version": SCHEMA_VERSION},
-                         separators=(",", ":"))
+        yield json_line({"event": f"episode_{event}", **ep.to_json(now)})
         return
     tail = f"bundle {ep.bundle}" if ep.bundle else "no bundle"
     if event == "start":  # printable: the target's name carries a model_name the server chose
@@ -296,7 +300,7 @@ class Watcher:
 
     def _emit_event(self, obj: dict, text: str) -> None:
         if self.options.as_json:
-            self.emit(json.dumps({**obj, "schema_version": SCHEMA_VERSION}, separators=(",", ":"), default=str))
+            self.emit(json_line(obj))
         else:
             self.emit(printable(text))
 
