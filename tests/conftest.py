@@ -214,10 +214,27 @@ ONE_PER_RUN = ("admission_wedge",)  # tests/integration/conftest.py: the kept ad
 
 
 def work_unit(item: pytest.Item) -> str:
-    """The xdist group an item is run in: a fixture of ONE_PER_RUN, else its module."""
+    """The xdist group an item is run in: a fixture of ONE_PER_RUN, else its module; an integration test that
+    shares no module-scoped fixture with its neighbours is a unit of its own, so that a module of many
+    server-starting tests (test_patched's) is spread over the workers instead of queued on one."""
     names = getattr(item, "fixturenames", ())
     shared = [name for name in ONE_PER_RUN if name in names]
-    return shared[0] if shared else item.nodeid.split("::", 1)[0]
+    if shared:
+        return shared[0]
+    module = item.nodeid.split("::", 1)[0]
+    if item.get_closest_marker("integration") is not None and not shares_module_fixture(item):
+        return item.nodeid
+    return module
+
+
+def shares_module_fixture(item: pytest.Item) -> bool:
+    """Whether the item uses a fixture that lives for its module (or class, or package): one set-up its
+    module's other tests share, so they must run in one worker."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return True  # not a plain test function: keep it with its module
+    return any(defs and defs[-1].scope in ("module", "class", "package")
+               for defs in info.name2fixturedefs.values())
 
 
 def parallel(config: pytest.Config) -> bool:

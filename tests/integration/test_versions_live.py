@@ -30,7 +30,7 @@ OLDER = "0.19.1"
 SEED_FIXES = {"heartbeat", "admission", "watchdog", "shutdown", "orphan", "reaper"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def older_python() -> Path:
     try:
         return runtime_python(version=OLDER)
