@@ -19,33 +19,64 @@ from wedgectl.model.types import VerdictKind
 from wedgectl.store.bundle import read_bundle
 
 BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
+# Every class the repros make on every recorded release (idle, healthy and saturated, the stock shutdown hang
+# and orphaned engine, and each fault repro the plugin restores there), named by the repro that recorded it.
 EXPECTED = {
     "idle": VerdictKind.IDLE,
+    "healthy": VerdictKind.PROGRESSING,
+    "healthy-loaded": VerdictKind.PROGRESSING,
     "admission-wedge": VerdictKind.ADMISSION_WEDGE,
     "engine-deadlock": VerdictKind.ENGINE_DEADLOCK,
     "shutdown-hang": VerdictKind.SHUTDOWN_HANG,
+    "starved": VerdictKind.STARVED,
+    "leaked-capacity": VerdictKind.LEAKED_CAPACITY,
+    "startup-hang": VerdictKind.STARTUP_HANG,
+    "orphaned-engine": VerdictKind.ORPHANED_ENGINE,
 }
+# A hang that lives only in some releases: the deferred wedge needs the scheduler to count paused streaming
+# sessions against max_num_seqs (0.26 on; `repro deferred-wedge` exits 46 before that, see its [requires]).
+SINCE = {"deferred-wedge": ((0, 26), VerdictKind.ADMISSION_WEDGE)}
 # What a release does differently, recorded where it showed. vLLM 0.15 runs the deferred-wedge repro's paused
 # streaming sessions beside a new request (served): the two session requests stay "waiting" while the engine waits
 # for input, which is no hang wedgectl can name (engine_deadlock before the engine's stack was read for it).
 OTHER = {"deferred-sessions": VerdictKind.INCONCLUSIVE}
 RECORDED = sorted((p.parent.name, p.name.removesuffix(".tar.gz")) for p in BUNDLES.glob("v*/*.tar.gz"))
+SEED_RELEASES = {"v0.15.0", "v0.19.1", "v0.23.0", "v0.26.0", "v0.29.0"}
+
+
+def release_of(name: str) -> tuple[int, int]:
+    major, minor = name.removeprefix("v").split(".")[:2]
+    return int(major), int(minor)
+
+
+# A repro that shows nothing on a release, and why: no recording to classify.
+NOT_SHOWN = {
+    ("v0.29.0", "admission-wedge"): "stock 0.29 admits no request its pool cannot hold (the arithmetic was fixed in "
+                                    "0.25), and the admission-overhang fault cannot restore the old one there: its "
+                                    "helper _pool_bytes_per_block takes (kv_cache_groups) on 0.29-0.31 "
+                                    "(docs/vllm-versions.md, fault: admission-overhang)",
+}
+
+
+def expected_here(release: str) -> dict[str, VerdictKind]:
+    since = {name: kind for name, (first, kind) in SINCE.items() if release_of(release) >= first}
+    return {name: kind for name, kind in {**EXPECTED, **since}.items() if (release, name) not in NOT_SHOWN}
 
 
 def test_each_recorded_release_has_every_class():
     releases = {v for v, _ in RECORDED}
-    assert {"v0.15.0", "v0.19.1"} <= releases
+    assert SEED_RELEASES <= releases
     for release in releases:
         names = {n for v, n in RECORDED if v == release}
-        assert set(EXPECTED) <= names <= set(EXPECTED) | set(OTHER), release
+        assert set(expected_here(release)) <= names <= set(expected_here(release)) | set(OTHER), release
 
 
 @pytest.mark.parametrize("release, name", RECORDED)
 def test_recorded_bundle_of_an_older_release_gives_the_expected_verdict(release, name):
     b = read_bundle(BUNDLES / release / f"{name}.tar.gz")
     v = classify(b)
-    assert v.verdict is {**EXPECTED, **OTHER}[name], v.summary
-    if name in EXPECTED:
+    assert v.verdict is {**expected_here(release), **OTHER}[name], v.summary
+    if name in expected_here(release):
         assert b.verdict is not None and b.verdict.verdict is v.verdict  # same answer as at capture
     assert (BUNDLES / release / f"{name}.log").read_text().count(f"(v{release[1:]})") >= 1  # it is that release
 
