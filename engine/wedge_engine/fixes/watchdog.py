@@ -398,7 +398,9 @@ def install_engine_recorders() -> bool:
                               (Scheduler, "set_pause_state", make_pause),
                               (EngineCore, "sleep", make_sleep), (EngineCore, "wake_up", make_wake)):
         if hasattr(owner, name):  # an older vLLM without pause or sleep: the rest still counts
-            done = patch_method(owner, name, make) or done
+            # tagged: the admission guard wraps update_from_output too, and an untagged second wrapper
+            # would be refused (the tokens then never counted while admission is on)
+            done = patch_method(owner, name, make, "watchdog") or done
     return done
 
 
