@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -28,6 +29,27 @@ def kill_tree(proc: subprocess.Popen) -> None:
             pass
     proc.wait(timeout=10)
     psutil.wait_procs(kids, timeout=5)
+
+
+def kill_group(pid: int, wait_s: float = 10.0) -> None:
+    """SIGKILL the process group a repro's server leads (started in a session of its own, it holds the
+    EngineCore, the Workers and the resource tracker), reap the leader if it is ours, and wait until the group
+    is gone."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        os.waitpid(pid, 0)
+    except (ChildProcessError, OSError):
+        pass
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.2)
 
 
 def run_cli(*args: str, prefix: tuple[str, ...] = (), python: str = sys.executable, env: dict[str, str] | None = None,

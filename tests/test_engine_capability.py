@@ -198,6 +198,10 @@ def test_capabilities_refuses_an_unknown_name():
 # --- fixes: off where their names do not hold, one line per process ----------------------------
 
 
+# The engine report comes with any fix; these tests are about the fixes they name.
+NO_REPORT = {"WEDGE_ENGINE_REPORT": "0"}
+
+
 def fake_fix(name: str, requires=(), optional=(), result="patched", error=None):
     module = types.ModuleType(f"fake_{name}")
     module.REQUIRES, module.OPTIONAL = tuple(requires), tuple(optional)
@@ -220,7 +224,7 @@ def test_fix_whose_requires_fail_is_off_and_named_in_the_one_line(fake_vllm, cap
         "shutdown": fake_fix("shutdown", [Needs(LAUNCHER, "NoSignalServer.shutdown", ("self", "sockets"))]),
     }
     with caplog.at_level(logging.DEBUG, logger="vllm.wedge_engine"):
-        got = plugin.apply_fixes_from_environment({"WEDGE_ENGINE_FIXES": "heartbeat,shutdown"}, VERSION,
+        got = plugin.apply_fixes_from_environment({"WEDGE_ENGINE_FIXES": "heartbeat,shutdown", **NO_REPORT}, VERSION,
                                                   load=fakes.__getitem__, role="engine")
     assert got == ("heartbeat",)
     assert fakes["heartbeat"].calls == ["engine"] and fakes["shutdown"].calls == []
@@ -236,7 +240,8 @@ def test_fix_whose_requires_fail_is_off_and_named_in_the_one_line(fake_vllm, cap
 
 def test_real_shutdown_fix_is_off_on_the_fake_tree(fake_vllm, caplog):
     with caplog.at_level(logging.DEBUG, logger="vllm.wedge_engine"):
-        got = plugin.apply_fixes_from_environment({"WEDGE_ENGINE_FIXES": "shutdown"}, VERSION, role="api")
+        got = plugin.apply_fixes_from_environment({"WEDGE_ENGINE_FIXES": "shutdown", **NO_REPORT}, VERSION,
+                                                  role="api")
     assert got == ()
     recs = records(caplog)
     assert len(recs) == 1 and recs[0].levelno == logging.WARNING
@@ -263,7 +268,7 @@ def test_missing_optional_is_without_and_keeps_the_fix_on(fake_vllm, caplog):
     fakes = {"admission": fake_fix("admission", [Needs(SCHED, "Scheduler.schedule")],
                                    [honest, Needs(SCHED, "Scheduler.update_from_output")], result="guard")}
     with caplog.at_level(logging.DEBUG, logger="vllm.wedge_engine"):
-        got = plugin.apply_fixes_from_environment({"WEDGE_ENGINE_FIXES": "admission"}, VERSION,
+        got = plugin.apply_fixes_from_environment({"WEDGE_ENGINE_FIXES": "admission", **NO_REPORT}, VERSION,
                                                   load=fakes.__getitem__, role="engine")
     assert got == ("admission",) and fakes["admission"].calls == ["engine"]
     recs = records(caplog)
@@ -283,7 +288,7 @@ def test_fix_whose_activate_raises_is_off_in_the_line(fake_vllm, caplog):
     fakes = {"heartbeat": fake_fix("heartbeat", result="steps"),
              "watchdog": fake_fix("watchdog", error=AttributeError("moved"))}
     with caplog.at_level(logging.DEBUG, logger="vllm.wedge_engine"):
-        got = plugin.apply_fixes_from_environment({"WEDGE_ENGINE_FIXES": "heartbeat,watchdog"}, VERSION,
+        got = plugin.apply_fixes_from_environment({"WEDGE_ENGINE_FIXES": "heartbeat,watchdog", **NO_REPORT}, VERSION,
                                                   load=fakes.__getitem__, role="engine")
     assert got == ("heartbeat",)
     recs = records(caplog)

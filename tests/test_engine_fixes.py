@@ -173,8 +173,8 @@ def test_failing_fix_is_logged_and_the_others_still_apply(caplog):
 
 def test_fix_with_nothing_in_this_role_is_not_reported(fix_loader):
     fix_loader.fakes["shutdown"] = FakeFix(result=None)
-    got = plugin.apply_fixes_from_environment({"WEDGE_ENGINE_FIXES": "shutdown"}, KNOWN, load=fix_loader,
-                                              role="worker")
+    got = plugin.apply_fixes_from_environment({"WEDGE_ENGINE_FIXES": "shutdown", "WEDGE_ENGINE_REPORT": "0"},
+                                              KNOWN, load=fix_loader, role="worker")
     assert got == ()
 
 

@@ -31,11 +31,11 @@ import psutil
 import pytest
 
 from cli_run import CLI_TIMEOUT_S, REPO, gone_pid, kill_tree, one_line, run_cli
+from nobody import as_nobody, nobody_wedgectl
 from wedgectl.model import exitcodes
 from wedgectl.model.types import VerdictKind
 
 TARGETS = Path(__file__).resolve().parent / "targets"
-NOBODY = 65534
 
 
 # ------------------------------------------------------------------ 5: probes --pid, the process is gone
@@ -55,27 +55,6 @@ def test_5_probes_on_a_process_that_is_gone() -> None:
 # ------------------------------------------------------------------ 34: permission
 
 
-def _as_nobody(*argv: str) -> list[str]:
-    return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
-            "--bounding-set=-all", *argv]
-
-
-def _nobody_wedgectl() -> tuple[str, dict[str, str]]:
-    """An interpreter nobody may run that imports this checkout's wedgectl, and the environment it needs:
-    this venv's (whose base may sit in root's 0700 home), else the system python with the checkout on
-    PYTHONPATH."""
-    site = next(Path(sys.prefix, "lib").glob("python3*/site-packages"), None)
-    tries = [(sys.executable, {}), ("/usr/bin/python3", {"PYTHONPATH": f"{REPO}:{site}" if site else str(REPO)})]
-    for python, extra in tries:
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", **extra}
-        try:
-            ok = subprocess.run(_as_nobody(python, "-c", "import wedgectl.cli"), env=env, cwd="/",
-                                capture_output=True, timeout=60).returncode == 0
-        except OSError:
-            ok = False
-        if ok:
-            return python, env
-    pytest.fail("no Python interpreter nobody may run imports this checkout's wedgectl")
 
 
 def _readline(proc: subprocess.Popen, timeout: float) -> str:
@@ -111,14 +90,14 @@ def roots_deployment() -> Iterator[int]:
                     reason="plays an unprivileged user with setpriv, as root")
 def test_34_swap_as_nobody_on_roots_server(roots_deployment: int) -> None:
     api = roots_deployment
-    python, env = _nobody_wedgectl()
-    r = run_cli("swap", "--pid", str(api), "--dry-run", prefix=tuple(_as_nobody()), python=python, env=env, cwd="/")
+    python, env = nobody_wedgectl()
+    r = run_cli("swap", "--pid", str(api), "--dry-run", prefix=tuple(as_nobody()), python=python, env=env, cwd="/")
     assert r.returncode == exitcodes.PERMISSION == 34, r
     assert one_line(r.stderr) == f"wedgectl: pid {api}: cannot read its environment or cwd (run as its user or root)"
     assert r.stdout == ""
     # diagnose in the same spot is no permission error: a verdict from what /proc shows everyone
     d = run_cli("diagnose", "--pid", str(api), "--window", "1", "--json", "--no-stacks",
-                prefix=tuple(_as_nobody()), python=python, env=env, cwd="/")
+                prefix=tuple(as_nobody()), python=python, env=env, cwd="/")
     verdict = VerdictKind(json.loads(d.stdout)["verdict"])
     assert d.returncode == exitcodes.for_verdict(verdict) != exitcodes.PERMISSION and "Traceback" not in d.stderr, d
     assert psutil.pid_exists(api)  # nothing was done to the server

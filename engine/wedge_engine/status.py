@@ -220,6 +220,20 @@ class StatusWriter:
         (self._tokens,) = _COUNTER.unpack_from(self._mm, _TOKENS_OFF)
         self.path = path
 
+    @property
+    def steps(self) -> int:
+        """Engine steps recorded so far (this writer's own count: no read of the shared map)."""
+        return self._steps
+
+    @property
+    def model_steps(self) -> int:
+        return self._model_steps
+
+    @property
+    def last_model_step_ns(self) -> int | None:
+        """When the last step that ran the model finished; None before the first."""
+        return self._last_model_ns if self._model_steps else None
+
     def attach_engine(self, pid: int) -> None:
         _PID.pack_into(self._mm, _PID_OFF, pid)
 

@@ -6,16 +6,13 @@ one is shared by the module's tests.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
+from cli_run import kill_group
 from wedgectl.store.bundle import read_bundle
 from wedgectl.lab.repro import find_config, run_repro
 from wedgectl.model.types import Role, VerdictKind
@@ -41,19 +38,7 @@ def hung_tp2(vllm_python, tmp_path_factory):
         assert result.symptom_s is not None, f"the hang did not happen: {result.notes}"
         yield result
     finally:
-        # Started with start_new_session: the process group is the API server's pid and holds
-        # the EngineCore, both Workers and the resource tracker.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(result.pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(result.pid, 0)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(result.pid, 0)
-            except (ProcessLookupError, PermissionError):
-                break
-            time.sleep(0.2)
+        kill_group(result.pid)
 
 
 def _diagnose(pid: int, *extra: str) -> tuple[int, dict]:

@@ -14,11 +14,14 @@ from wedgectl.capture.options import ESCALATE_BURST, SamplerOptions
 from wedgectl.capture.policy import engine_stepping
 from wedgectl.capture.runner import Results, run_in_background
 from wedgectl.capture.tree import TreeCache, collect_processes
+from wedgectl.collect.enginereport import read_engine_reports
 from wedgectl.collect.scrape import Scraper, failure_kind
-from wedgectl.model.types import CollectorFailure, FailureKind, MetricsScrape, ProcessSample, Sample
+from wedgectl.model.types import CollectorFailure, FailureKind, MetricsScrape, ProcessSample, Role, Sample
 from wedgectl.read.redact import redact_url
 
 REST_GRACE_S = 5.0  # a sample's scrape is abandoned this long after its own timeout (it ends by then)
+# The processes whose engine report a sample reads (collect.enginereport): the ones the plugin runs in.
+ENGINE_REPORT_ROLES = frozenset({Role.API_SERVER, Role.ENGINE_CORE, Role.WORKER})
 
 
 
@@ -41,7 +44,7 @@ class PendingSample:
     t: float
     procs: tuple[ProcessSample, ...]
     failures: list[CollectorFailure]
-    rest: Results  # {"metrics": MetricsScrape, "health": (status, error), "stacks": (dumps, failures)}
+    rest: Results  # {"metrics": MetricsScrape, "health": (status, error), "stacks": (dumps, failures), "engine": ...}
     burst: int = 0
     due: float = float("inf")
 
@@ -65,11 +68,14 @@ class PendingSample:
         if "stacks" in self.rest.jobs and "stacks" not in rest:
             failures.append(CollectorFailure("stacks", FailureKind.TIMEOUT, "no dump in time (abandoned)", ""))
         failures += stack_failures
+        engine = rest.get("engine") or ()
+        if "engine" in self.rest.jobs and "engine" not in rest:
+            failures.append(CollectorFailure("engine", FailureKind.TIMEOUT, "no engine report read in time", ""))
         if metrics is not None and not metrics.ok:
             failures.append(CollectorFailure("metrics", failure_kind(metrics.error),
                                              metrics.error or f"HTTP {metrics.status}", dep.metrics_url or ""))
         return Sample(t=self.t, metrics=metrics, health_status=health_status, health_error=health_error,
-                      processes=self.procs, stacks=stacks, failures=tuple(failures))
+                      processes=self.procs, stacks=stacks, failures=tuple(failures), engine=engine)
 
 
 def begin_sample(dep: Deployment, scraper: Scraper, options: SamplerOptions, burst: int,
@@ -99,6 +105,9 @@ def begin_sample(dep: Deployment, scraper: Scraper, options: SamplerOptions, bur
             jobs["stacks"] = lambda: future.result(wait_s)["stacks"]  # a TimeoutError: the sample goes without
         elif burst and procs and not (first and engine_stepping(procs)):
             jobs["stacks"] = lambda: collect_stacks(procs, options.native, burst, others)
+        engine_pids = [p.pid for p in procs if p.role in ENGINE_REPORT_ROLES]
+        if engine_pids:  # the plugin's own word on each process: a file read apiece, beside the scrape
+            jobs["engine"] = lambda: read_engine_reports(engine_pids)
     bound = options.scrape_timeout_s + REST_GRACE_S
     if "stacks" in jobs:
         bound = max(bound, stacks_bound_s(burst or ESCALATE_BURST, options.native, len(procs)))

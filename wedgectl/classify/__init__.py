@@ -12,6 +12,7 @@ come first.
 from __future__ import annotations
 
 from wedgectl.classify import confidence as C
+from wedgectl.classify.enginerules import stale_evidence, unread_evidence
 from wedgectl.classify.evidence import (engine_cpu_evidence, engine_stack_evidence, fmt_duration, metrics_evidence,
                                         present)
 from wedgectl.classify.facts import MIN_FROZEN_S, STATS_INTERVAL_S, Facts, unix_to_logtime
@@ -21,6 +22,9 @@ from wedgectl.classify.log import LOG_RULES, REQUESTS_HELD, stop_seen_s, too_sho
 from wedgectl.classify.rule import Rule
 from wedgectl.classify.startup import starting
 from wedgectl.model.types import Bundle, Evidence, Verdict, VerdictKind
+
+# A verdict this sure needs no note of what could not be read (capture.policy.CERTAIN: the capture stops on it).
+CERTAIN = 0.9
 
 
 def classify(bundle: Bundle) -> Verdict:
@@ -61,11 +65,16 @@ def _with_caveats(f: Facts, verdict: Verdict) -> Verdict:
         notes.append("metrics-only evidence (no process access)")
     if f.is_live and f.saw_processes and not f.stacks:
         notes.append("no Python stacks (py-spy failed or was not run)")
-    if not notes:
+    more = tuple(Evidence("wedgectl", n) for n in notes)
+    if not verdict.verdict.is_healthy:  # a report gone stale: no Python runs there (evidence, never the decider)
+        more += tuple(e for e in stale_evidence(f) if e not in verdict.evidence)
+    if verdict.confidence < CERTAIN or not verdict.verdict.is_healthy:
+        more += present(unread_evidence(f))  # neither ptrace nor the engine's report: say what would decide
+    if not more:
         return verdict
     return Verdict(
         verdict.verdict, verdict.confidence, verdict.summary, verdict.rule,
-        verdict.evidence + tuple(Evidence("wedgectl", n) for n in notes), verdict.advice, verdict.facts,
+        verdict.evidence + more, verdict.advice, verdict.facts,
     )
 
 
@@ -94,6 +103,8 @@ def _inconclusive(f: Facts) -> Verdict:
                                values={"waiting": f.waiting}))
             advice.append("Check the waiting requests' clients (paused streaming sessions); if none holds them, "
                           "`wedgectl diagnose --pid PID --window 15` again: a count that never drains is a leak.")
+        ev += stale_evidence(f)
+        ev += present(unread_evidence(f))
     if f.log is not None:
         span = (f.log.last_t - f.log.first_t) if f.log.first_t is not None and f.log.last_t is not None else None
         ev.append(Evidence("log",

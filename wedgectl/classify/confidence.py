@@ -64,6 +64,18 @@ DEADLOCK_WAITING_ONLY = 0.4
 # The share of Worker stack samples inside execute_model that, with the engine asleep, is certain.
 DEADLOCK_WORKER_SHARE = 0.9
 
+# The engine's own report (a fresh one: its writer thread runs) has the EngineCore in a model stage
+# (execute_model_wait, execute_model, sample_tokens) past CERTAIN_FROZEN_S with a request running: vLLM's
+# step never takes that long, and the stage clock is the engine's own, not inferred from silence.
+DEADLOCK_ENGINE_REPORT_CERTAIN = 0.95
+# The same past MIN_FROZEN_S only: a very long step (a huge prefill on a slow device) fits too.
+DEADLOCK_ENGINE_REPORT = 0.85
+# The engine's report names a waiting request that needs more KV blocks than the pool holds in all, with
+# nothing running and its step count rising: vLLM's scheduler refuses it every step, for ever.
+WEDGE_ENGINE_REPORT = 0.9
+# The same, with the token counter frozen on /metrics as well: two sources agree.
+WEDGE_ENGINE_REPORT_CORROBORATED = 0.95
+
 # Requests counted while a sample saw no client connection at all, every sample over the window:
 # nothing in HTTP/1.1 can carry a request in progress without a connection.
 LEAK_NO_CLIENTS = 0.9

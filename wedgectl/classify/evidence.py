@@ -86,7 +86,9 @@ def counter_evidence(f: Facts) -> Evidence:
     return Evidence(
         source="metrics",
         what=(
-            f"vllm:generation_tokens_total frozen at {g.last:.0f} for {g.frozen_s:.1f} s"
+            "vllm:generation_tokens_total not read" if g.last is None
+            else f"vllm:generation_tokens_total at {g.last:.0f} (one reading: no rate yet)" if g.delta is None
+            else f"vllm:generation_tokens_total frozen at {g.last:.0f} for {g.frozen_s:.1f} s"
             if g.delta == 0
             else f"vllm:generation_tokens_total rose by {g.delta:.0f} in {g.span_s:.1f} s"
         ),

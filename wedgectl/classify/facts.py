@@ -9,9 +9,11 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from wedgectl.read import stacks as stk
+from wedgectl.classify import enginefacts as ef
 from wedgectl.classify.probefacts import parked_threads, probe_evidence  # pure readers of Sample.probes
 from wedgectl.read.logparse import FailureLine, ParsedLog, ShutdownLine, StatsLine, parse_log
 from wedgectl.read.metrics import MetricsParseError, MetricsSnapshot, parse_metrics
+from wedgectl.model.engine import EngineReading, RequestSample, SchedulerSummary
 from wedgectl.model.types import Bundle, Evidence, ProcessSample, Role, Sample, StackDump
 from wedgectl.classify.series import Series, main_runq, most_grown, stepless_of
 
@@ -448,6 +450,48 @@ class Facts:
     def probe_evidence(self) -> tuple[Evidence, ...]:
         """The probes' own evidence lines (parked and spinning main threads, the back-end)."""
         return tuple(probe_evidence(self.samples))
+
+    # --- engine reports: the plugin's own word (classify/enginefacts.py) -------
+
+    @cached_property
+    def engine_readings(self) -> dict[int, EngineReading]:
+        """Each process's latest engine-report reading over the window (a report, or why none)."""
+        return ef.latest_readings(self.samples)
+
+    @cached_property
+    def engine_report(self) -> EngineReading | None:
+        """The EngineCore's latest reading that holds a report."""
+        return ef.engine_core_reading(self.samples)
+
+    @cached_property
+    def engine_report_fresh(self) -> bool:
+        """The EngineCore's report was rewritten within 3 of its intervals (the writer's thread runs)."""
+        return self.engine_report is not None and self.engine_report.fresh
+
+    @cached_property
+    def engine_stage(self) -> tuple[str, float | None] | None:
+        """(the EngineCore's stage by its report, seconds in it at the read); None without one."""
+        r = self.engine_report
+        stage = r.report.stage if r is not None and r.report is not None else None
+        return None if r is None or stage is None else (stage.name, r.stage_age_s)
+
+    @cached_property
+    def engine_scheduler(self) -> SchedulerSummary | None:
+        """The EngineCore's scheduler summary by its report."""
+        r = self.engine_report
+        return r.report.scheduler if r is not None and r.report is not None else None
+
+    @cached_property
+    def engine_requests(self) -> tuple[RequestSample, ...]:
+        """The request samples of the EngineCore's report: running first, then waiting, oldest first."""
+        r = self.engine_report
+        return r.report.requests if r is not None and r.report is not None else ()
+
+    @cached_property
+    def engine_report_steps(self) -> tuple[int, int, float] | None:
+        """(first, last, seconds) of the EngineCore's step count over its fresh reports in the window."""
+        r = self.engine_report
+        return None if r is None else ef.steps_over_window(self.samples, r.pid)
 
     # --- log -----------------------------------------------------------------
 

@@ -24,6 +24,8 @@ from wedgectl.classify.evidence import (
 )
 from wedgectl.classify.corroboration import starved_for_capacity, wedge_refused_for_capacity
 from wedgectl.classify.deferred import DEFERRED, DEFERRED_ADVICE, reason_text, waiting_reason
+from wedgectl.classify.enginerules import (DEADLOCK_RULE, WEDGE_RULE, shutdown_evidence, shutting_down, stage_evidence,
+                                           stale_evidence)
 from wedgectl.classify.facts import CERTAIN_FROZEN_S, STEAL_SHARE, Facts, mostly_queued, mostly_throttled
 from wedgectl.classify.series import slope_per_s
 from wedgectl.classify.leak import LEAK_RULE
@@ -74,11 +76,13 @@ def live_shutdown_hang(f: Facts) -> bool:
     and Worker at once, then uvicorn waits for open client connections forever ("Waiting for
     connections to close"); a second SIGTERM does nothing. An API server that exited during the
     capture finished its shutdown; one whose sockets were unreadable (no CAP_SYS_PTRACE) leaves
-    "no listener" unknown."""
+    "no listener" unknown. The engine's own report saying shutting_down for SHUTDOWN_LONG_S is a third
+    sign that a shutdown began (enginerules.shutting_down)."""
     api = f.api_server
     if not f.is_live or api is None or api.listening or f.exited or api.connections is None:
         return False
-    return (f.shutdown_began is not None or bool(f.api_shutdown_frames)) and f.api_never_listened
+    began = f.shutdown_began is not None or bool(f.api_shutdown_frames) or shutting_down(f) is not None
+    return began and f.api_never_listened
 
 
 def _shutdown_hang_verdict(f: Facts) -> Verdict:
@@ -113,8 +117,11 @@ def _shutdown_hang_verdict(f: Facts) -> Verdict:
                                values={"line": f.waiting_connections_line.lineno}))
     if frames:
         ev.append(Evidence("stack", f"API server stack in shutdown: {frames[0]}", values={"frames": list(frames[:6])}))
+    reported = shutdown_evidence(f)  # the engine's own report: stage shutting_down for long
+    ev += present(reported)
     ev += f.probe_evidence
-    corroborated = began is not None and (api.connections or frames)
+    corroborated = (began is not None and (api.connections or frames)) or (
+        reported is not None and (began is not None or frames or api.connections))
     return Verdict(
         VerdictKind.SHUTDOWN_HANG, C.SHUTDOWN_CORROBORATED if corroborated else C.SHUTDOWN_NO_LISTENER,
         "Shutdown began but the API server never exits: listener closed, process alive"
@@ -289,6 +296,9 @@ def _engine_deadlock_verdict(f: Facts) -> Verdict:
         inner = stk.innermost_interesting(dump) if dump else None
         if inner:
             ev.append(Evidence("stack", f"Worker pid {w.pid} stuck in {inner}", values={"pid": w.pid}))
+    if f.engine_report is not None:  # the engine's own report, where it has one: its stage, or that it went stale
+        ev += present(stage_evidence(f, f.engine_report))
+    ev += stale_evidence(f)
     api = f.api_server
     if api is not None and api.listening:
         ev.append(Evidence("proc",
@@ -402,8 +412,10 @@ LIVE_RULES: tuple[Rule, ...] = (
     LIVE_STARTUP_RULE,
     Rule(live_shutdown_hang, _shutdown_hang_verdict),
     COLLECTIVE_RULE,
+    WEDGE_RULE,  # the engine's report names the request that never fits: before the metrics' reading of it
     Rule(live_admission_wedge, _admission_wedge_verdict),
     Rule(live_engine_waits_for_cpu, _waits_for_cpu_verdict),
+    DEADLOCK_RULE,  # the engine's report has its step stuck in one stage: before the metrics' reading of it
     Rule(live_engine_deadlock, _engine_deadlock_verdict),
     LEAK_RULE,
     Rule(live_starved, _starved_verdict),

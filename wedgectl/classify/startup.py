@@ -10,10 +10,12 @@ from functools import lru_cache
 from wedgectl.model import bounds
 from wedgectl.read import stacks as stk
 from wedgectl.classify import confidence as C
+from wedgectl.classify.enginerules import stage_evidence, starting_phase
 from wedgectl.classify.evidence import fmt_duration, log_stamp, message
 from wedgectl.classify.facts import PARKED_CORES, Facts, unix_to_logtime
 from wedgectl.classify.rule import Rule
 from wedgectl.read.logparse import parse_stamp
+from wedgectl.model.engine import EngineReading
 from wedgectl.model.types import Evidence, ProcessSample, Role, Verdict, VerdictKind
 
 # The deadlines, and why.
@@ -62,6 +64,10 @@ PHASE_LINES: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p), ph)
 _STAMP = re.compile(r"\b(\d{2}-\d{2} \d{2}:\d{2}:\d{2})\b")
 # Printed once a minute by an EngineCore whose workers do not answer (shm_broadcast.py): a wait, not progress.
 _WAITING_LINE = "No available shared memory broadcast block"
+
+# The phases the engine's own report names (its stage "starting", the plugin's wording), as named here.
+_REPORT_PHASES = {"weight loading": WEIGHT_LOADING, "kv cache / profiling": KV_PROFILING,
+                  "graph capture / warm-up": WARM_UP, "torch compile": TORCH_COMPILE}
 
 # Frames (innermost first) that name the phase a process is in; a Worker's stack says most.
 _PHASE_FRAMES: dict[str, str] = {
@@ -146,6 +152,7 @@ class StartupState:
     age_s: float | None  # the API server's age
     stack: StackPhase | None
     serving: bool  # the log says the server started (after its last engine init)
+    report: EngineReading | None = None  # a process whose engine report says it is starting, in a named phase
 
     @property
     def stuck_s(self) -> float | None:
@@ -183,7 +190,11 @@ def startup_state(f: Facts) -> StartupState:
     phase = sp.phase if sp is not None else last.phase if last is not None else UNKNOWN_PHASE
     if sp is not None and sp.phase in (WAIT_ENGINE, WAIT_WORKERS) and last is not None and last.phase != SERVING:
         phase = last.phase  # the waiter names no phase; the log says what the engine was doing
-    return StartupState(phase, last, quiet, age, sp, serving)
+    told = starting_phase(f)
+    stage = told.report.stage if told is not None and told.report is not None else None
+    if stage is not None and stage.phase and (sp is None or sp.phase in (WAIT_ENGINE, WAIT_WORKERS)):
+        phase = _REPORT_PHASES.get(stage.phase.lower(), stage.phase)  # the engine's own word, newer than the log's
+    return StartupState(phase, last, quiet, age, sp, serving, told)
 
 
 def quiet_bound(f: Facts) -> float:
@@ -242,6 +253,8 @@ def starting(f: Facts) -> tuple[str, tuple[Evidence, ...], tuple[str, ...]] | No
         ev.append(Evidence("proc", f"engine used {f.engine_cores:.2f} cores over the window"
                            + (" (parked)" if f.engine_parked else " (busy: loading, compiling or capturing)"),
                            values={"cores": round(f.engine_cores, 3)}))
+    if s.report is not None and (reported := stage_evidence(f, s.report)) is not None:
+        ev.append(reported)
     left = fmt_duration(float(math.ceil(max(0.0, bound - s.stuck_s))))
     advice = (
         f"Diagnose again once {left} more have passed: still in {s.phase} "
@@ -309,6 +322,8 @@ def _startup_verdict(f: Facts, live: bool) -> Verdict:
         name = s.stack.role.value
         ev.append(Evidence("stack", f"{name} pid {s.stack.pid} in {s.stack.phase}: {s.stack.frame}",
                            values={"pid": s.stack.pid, "phase": s.stack.phase}))
+    if s.report is not None and (reported := stage_evidence(f, s.report)) is not None:
+        ev.append(reported)
     if not live:
         confidence = C.STARTUP_LOG
     elif stuck >= slow_deadline(f) and not f.engine_parked:

@@ -30,6 +30,8 @@ SOURCE_PACKAGE = "wedgectl._engine"
 # only this (a deployment's own per-fix settings stay); repro --patched adds
 # patched_env()'s bounds as well.
 FIXES_ENV = {"WEDGE_ENGINE_FIXES": "all"}
+# The engine's own report alone (no fix): stage, scheduler summary, request samples (engine/README.md).
+REPORT_ENV = {"WEDGE_ENGINE_REPORT": "1"}
 # Variables that make the plugin do something: the fixes, and a repro's injected fault.
 ACTIVE_ENV = ("WEDGE_ENGINE_FIXES", "WEDGE_ENGINE_FAULT")
 

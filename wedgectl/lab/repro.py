@@ -25,7 +25,7 @@ from wedgectl.lab.lifecycle import (Server, detach, health_client, health_status
 from wedgectl.collect.control import Signal, free_port, stop_tree
 from wedgectl.read.metrics import MetricsParseError, MetricsSnapshot, parse_metrics
 from wedgectl.lab import kept
-from wedgectl.lab.engine_install import FIXES_ENV, ensure_engine_plugin
+from wedgectl.lab.engine_install import FIXES_ENV, REPORT_ENV, ensure_engine_plugin
 from wedgectl.model.types import Role, Verdict
 
 REPROS_DIR = Path(__file__).with_name("repros")
@@ -460,9 +460,11 @@ def start_repro_server(
 
 
 def repro_env(cfg: ReproConfig, patched: bool = False, keep: bool = False) -> dict[str, str]:
-    """The server's environment beyond the launcher's defaults: the config's (its fault), the fixes when
-    patched, and for a kept repro vLLM's step timeout raised to KEEP_S (a config's own setting wins)."""
-    env = {**cfg.env, **(FIXES_ENV if patched else {})}
+    """The server's environment beyond the launcher's defaults: the engine's own report (on in every repro,
+    stock ones too, so that a kept repro can be diagnosed without ptrace; the fault still applies), the
+    config's (its fault), the fixes when patched, and for a kept repro vLLM's step timeout raised to KEEP_S
+    (a config's own setting wins)."""
+    env = {**REPORT_ENV, **cfg.env, **(FIXES_ENV if patched else {})}
     if keep:
         env = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(KEEP_S), **env}
     return env

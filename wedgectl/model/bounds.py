@@ -29,6 +29,24 @@ MAX_UNIX_TIME = 1e11
 # Durations in a bundle (a process's cumulative CPU seconds included): 3,000 years of one CPU.
 MAX_DURATION_S = 1e11
 
+# The engine report (the wedge_engine plugin's own word on each vLLM process; docs/bundle.md, "engine"): the
+# bounds its writer keeps, which the reader (read/enginereport.py) enforces too and cuts to. A report is a
+# target's file: hostile input, so what exceeds a bound is dropped, never trusted.
+ENGINE_REPORT_SCHEMA = 1  # the schema this reader knows; a newer one is read for the keys it shares
+ENGINE_REPORT_MAX_BYTES = 262144  # REPORT_MAX_BYTES: a bigger file is refused unread
+ENGINE_REPORT_INTERVAL_S = 1.0  # REPORT_INTERVAL_S: the writer's period when a report names none
+ENGINE_REPORT_MAX_INTERVAL_S = 3600.0  # an interval_s beyond this (or <= 0) is dropped
+ENGINE_REPORT_MAX_REQUESTS = 20  # request samples kept: running first, then waiting, oldest first
+ENGINE_REPORT_MAX_THREADS = 64  # threads of a stack snapshot
+ENGINE_REPORT_MAX_FRAMES = 48  # frames per thread, innermost first (the innermost kept)
+ENGINE_REPORT_MAX_STRING = 200  # every string is cut to this
+ENGINE_REPORT_MAX_REQUEST_ID = 128  # a request id is cut to this
+ENGINE_REPORT_MAX_REASONS = 16  # waiting_by_reason keys kept
+# Nesting the reader accepts (the schema's deepest is 5: report, stacks, threads, a thread, frames, a frame);
+# anything deeper is malformed before json parses it, so a file of brackets costs one linear scan.
+ENGINE_REPORT_MAX_DEPTH = 8
+ENGINE_REPORT_MAX_INT = (1 << 63) - 1  # counters, ticks and CLOCK_MONOTONIC ns; larger is dropped
+
 
 def in_range(value: float, lo: float, hi: float, *, above: bool = False) -> bool:
     """value is a finite number with lo <= value <= hi (lo < value with above)."""

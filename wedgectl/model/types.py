@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from wedgectl.model.engine import EngineReading
+
 BUNDLE_FORMAT = "wedgectl-bundle"
 BUNDLE_VERSION = 1
 
@@ -351,6 +353,9 @@ class Sample:
     stacks: tuple[StackDump, ...] = ()
     probes: tuple[ProbeRecord, ...] = ()  # one ProbeResult, then one ThreadProbe per thread (probes/README.md)
     failures: tuple[CollectorFailure, ...] = ()
+    # The engine reports of the deployment's processes (model/engine.py), one reading per process looked at;
+    # () in bundles from before them, and where none was looked for.
+    engine: tuple[EngineReading, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -384,7 +389,7 @@ class Manifest:
 class Evidence:
     """One fact a verdict rests on: where it came from, when, and the numbers."""
 
-    source: str  # "log", "metrics", "proc", "stack", "probe"
+    source: str  # "log", "metrics", "proc", "stack", "probe", "engine"
     what: str
     t: str | None = None  # human time label: a log timestamp or an ISO time
     values: dict[str, Any] = field(default_factory=dict)

@@ -189,7 +189,7 @@ def _build(cls: type, data: Any, path: str = "") -> Any:
 # time, 0 (not recorded) up to wedgectl.model.bounds.MAX_UNIX_TIME; one whose name ends in _s holds seconds,
 # 0 up to MAX_DURATION_S (a per-CPU clock offset may be negative). tests/test_security_numbers.py checks
 # that every float of the model is one or the other.
-TIME_FIELDS = frozenset({"t", "created", "started", "ended", "wait_started"})
+TIME_FIELDS = frozenset({"t", "created", "started", "ended", "wait_started", "written_unix"})
 _SIGNED_SECONDS = frozenset({"clock_offsets_s"})
 
 

@@ -83,9 +83,14 @@ def parse_users(text: str) -> frozenset[int]:
 
 def sample_bytes(sample: Sample) -> int:
     """What a kept sample takes, estimated: its page text (the bulk: up to a whole /metrics page)
-    and a fixed allowance for the rest, a few hundred bytes per process and stack dump."""
+    and a fixed allowance for the rest, a few hundred bytes per process and stack dump, and per engine
+    report a kilobyte and its request samples and frames (a report's stacks are up to 64 x 48 frames)."""
     text = sample.metrics.text if sample.metrics is not None else None
     n = SAMPLE_OVERHEAD + (sys.getsizeof(text) if text else 0)
+    for r in sample.engine:
+        stacks = r.report.stacks if r.report is not None else None
+        frames = sum(len(t.frames) for t in stacks.threads) if stacks is not None else 0
+        n += 1024 + 256 * (len(r.report.requests) + frames) if r.report is not None else 256
     return n + 256 * len(sample.processes) + 4096 * len(sample.stacks)
 
 

@@ -1,7 +1,9 @@
 """The fix registry: names accepted in WEDGE_ENGINE_FIXES, their settings, and the process roles they patch.
 
 ``WEDGE_ENGINE_FIXES`` is "all" or a comma list of fix names; "-name" drops
-one ("all,-watchdog"); unset, empty or "none" patches nothing. Each fix module
+one ("all,-watchdog"); unset, empty or "none" patches nothing. The engine
+report (``report``) comes with any fix ("-report" or ``WEDGE_ENGINE_REPORT=0``
+leaves it out) and runs alone with ``WEDGE_ENGINE_REPORT=1``. Each fix module
 exposes ``activate(settings, role) -> str | None`` (patch what belongs to this
 process, return a one-line description, or None when nothing of it runs here)
 and ``is_active()``. Modules are imported only when selected.
@@ -32,8 +34,11 @@ WATCHDOG_ENV = "WEDGE_ENGINE_WATCHDOG_S"
 SHUTDOWN_ENV = "WEDGE_ENGINE_SHUTDOWN_S"
 HONEST_LEN_ENV = "WEDGE_ENGINE_HONEST_MAX_MODEL_LEN"
 STARTUP_ENV = "WEDGE_ENGINE_STARTUP_S"
+REPORT_ENV = "WEDGE_ENGINE_REPORT"
+REPORT = "report"
 
-# Application order: the status record first (the others read or count into it).
+# Application order: the status record first (the others read or count into it); the report last (its
+# wrappers go on top of the others').
 FIXES: dict[str, str] = {
     "heartbeat": "wedge_engine.fixes.heartbeat",
     "admission": "wedge_engine.fixes.admission",
@@ -42,6 +47,7 @@ FIXES: dict[str, str] = {
     "startup": "wedge_engine.fixes.startup",
     "orphan": "wedge_engine.fixes.orphan",
     "reaper": "wedge_engine.fixes.reaper",
+    REPORT: "wedge_engine.fixes.report",
 }
 
 # A model step on a healthy server takes milliseconds (seconds for a huge
@@ -105,16 +111,26 @@ def _flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
     raise FixConfigError(f"{name}={raw!r} is not 0 or 1")
 
 
+def with_report(fixes: frozenset[str], raw: str | None, report_flag: bool | None) -> frozenset[str]:
+    """`fixes` with the engine report added or taken out: on with any fix unless "-report" is listed,
+    and WEDGE_ENGINE_REPORT (when set) decides either way."""
+    dropped = any(t.strip() == "-" + REPORT for t in (raw or "").replace(" ", ",").lower().split(","))
+    on = (bool(fixes) and not dropped) if report_flag is None else report_flag
+    return fixes | {REPORT} if on else fixes - {REPORT}
+
+
 def settings_from(environ: Mapping[str, str]) -> FixSettings:
     """FixSettings from the environment; FixConfigError on an unknown fix or a bad number."""
-    fixes, unknown = parse_fixes(environ.get(FIXES_ENV))
+    raw = environ.get(FIXES_ENV)
+    fixes, unknown = parse_fixes(raw)
     if unknown:
         raise FixConfigError(
             f"unknown {FIXES_ENV} entr{'ies' if len(unknown) > 1 else 'y'} {', '.join(map(repr, unknown))} "
             f"(known: all, {', '.join(FIXES)})"
         )
+    report_flag = _flag(environ, REPORT_ENV, True) if environ.get(REPORT_ENV, "").strip() else None
     return FixSettings(
-        fixes=fixes,
+        fixes=with_report(fixes, raw, report_flag),
         watchdog_s=positive_seconds(environ, WATCHDOG_ENV, DEFAULT_WATCHDOG_S, FixConfigError),
         shutdown_s=positive_seconds(environ, SHUTDOWN_ENV, DEFAULT_SHUTDOWN_S, FixConfigError),
         startup_s=positive_seconds(environ, STARTUP_ENV, DEFAULT_STARTUP_S, FixConfigError),
@@ -141,6 +157,7 @@ __all__ = [
     "FIXES",
     "FIXES_ENV",
     "HONEST_LEN_ENV",
+    "REPORT_ENV",
     "SHUTDOWN_ENV",
     "STARTUP_ENV",
     "WATCHDOG_ENV",
@@ -150,4 +167,5 @@ __all__ = [
     "parse_fixes",
     "process_role",
     "settings_from",
+    "with_report",
 ]

@@ -41,16 +41,21 @@ ABORT = Needs("vllm.v1.engine.async_llm", "AsyncLLM.abort", ("self", "request_id
               "aborts failed requests (fail_requests)")
 
 
-def patch_method(owner: Any, name: str, make: Callable[[Any], Any]) -> bool:
-    """Replace owner.name with make(original); False (and nothing done) if our wrapper is already there."""
+def patch_method(owner: Any, name: str, make: Callable[[Any], Any], tag: str | None = None) -> bool:
+    """Replace owner.name with make(original); False (and nothing done) if our wrapper is already there.
+
+    With `tag`, only a wrapper of the same tag counts as already there: a fix that observes (the report)
+    wraps methods other fixes wrap too, on top of theirs, and never stops one applied after it.
+    """
+    mark = _MARK if tag is None else f"{_MARK}{tag}"
     with _lock:
         original = getattr(owner, name)
-        if getattr(original, _MARK, False):
+        if getattr(original, mark, False):
             return False
         wrapper = make(original)
         if not isinstance(wrapper, (staticmethod, classmethod)):
             functools.update_wrapper(wrapper, original)
-            setattr(wrapper, _MARK, True)
+            setattr(wrapper, mark, True)
         _patches.append((owner, name, owner.__dict__.get(name, _ABSENT) if isinstance(owner, type) else original))
         setattr(owner, name, wrapper)
         return True

@@ -23,8 +23,8 @@ from wedgectl.collect.procfs.parse import (
     thread_from_texts, parse_exec_start, parse_schedstat,
 )
 from wedgectl.collect.procfs.stat import (
-    PF_EXITING, fd_links, kill_pending, owner_uids, start_ticks, ProcessStat, read_process_stat, read_rss, BOOT_TTL_S,
-    boot_time,
+    PF_EXITING, fd_links, innermost_pid, kill_pending, owner_uids, start_ticks, ProcessStat, read_process_stat,
+    read_rss, BOOT_TTL_S, boot_time,
 )
 from wedgectl.collect.procfs.threads import ThreadMemo, own_fd_links, read_threads
 from wedgectl.collect.procfs.clock import (
@@ -42,8 +42,8 @@ __all__ = [
     "COLLECTOR", "PROC", "CLK_TCK", "PAGE_SIZE", "FUTEX_PRIVATE_FLAG", "FUTEX_CLOCK_REALTIME", "FUTEX_WAIT_CMDS",
     "futex_syscall_numbers", "decode_futex_op", "is_futex_wait_op", "StatFields", "parse_stat", "parse_wchan",
     "parse_syscall", "futex_from_syscall", "parse_ctxt_switches", "thread_from_texts", "parse_exec_start",
-    "parse_schedstat", "PF_EXITING", "fd_links", "kill_pending", "owner_uids", "start_ticks", "ProcessStat",
-    "read_process_stat",
+    "parse_schedstat", "PF_EXITING", "fd_links", "innermost_pid", "kill_pending", "owner_uids", "start_ticks",
+    "ProcessStat", "read_process_stat",
     "read_rss", "BOOT_TTL_S", "boot_time", "ThreadMemo", "own_fd_links", "read_threads", "CLOCK_READS",
     "CLOCK_READ_TIGHT_S", "CLOCK_SLEEP_S", "offset_from_reads", "sched_clock_offsets", "cpu_steal_s", "SchedClock",
     "CLOCK", "own_run_delay_s", "thread_schedstats", "ThreadSched", "sched_from_texts", "read_thread_scheds",

@@ -47,6 +47,17 @@ def owner_uids(pid: int, proc_root: Path = PROC) -> tuple[int, int] | None:
     return None
 
 
+def innermost_pid(pid: int, proc_root: Path = PROC) -> int | None:
+    """The pid the process knows itself by: the last of its status's NSpid (its own pid namespace's,
+    a container's); the pid itself outside one; None when gone or unreadable."""
+    text = _status(pid, proc_root)
+    for line in (text or b"").split(b"\n"):
+        if line.startswith(b"NSpid:"):
+            fields = line.split()[1:]
+            return int(fields[-1]) if fields and fields[-1].isdigit() else None
+    return None if text is None else pid
+
+
 SIGKILL_BIT = 1 << (9 - 1)  # signal 9 in the SigPnd/ShdPnd masks of /proc/PID/status
 
 

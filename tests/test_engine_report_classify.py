@@ -1,0 +1,253 @@
+"""The engine report in the classifier and the bundle: recorded captures with a report added, built from the schema.
+
+Each capture below is a real one (tests/fixtures/bundles/); the engine readings put on its samples are
+built from the contract's example (tests/engine_reports.py), since the writer does not exist yet. Once
+it does, record a report of each state and swap it in (the module docstring of engine_reports.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from engine_reports import missing, reading, with_readings
+from wedgectl.classify import classify
+from wedgectl.classify.enginerules import SHUTDOWN_LONG_S
+from wedgectl.classify.facts import Facts
+from wedgectl.model.types import Bundle, CollectorFailure, FailureKind, Role, VerdictKind
+from wedgectl.render.text import render_verdict
+from wedgectl.store.bundle import read_bundle, write_bundle
+
+BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
+STUCK = {"name": "execute_model_wait", "since_mono_ns": 100, "phase": None}
+RUNNING = {"running": 1, "waiting": 0, "waiting_by_reason": {"capacity": 0, "deferred": 0}, "paused": False,
+           "kv_blocks": {"free": 60, "total": 64, "block_size": 16}}
+HELD = [{"id": "cmpl-held-0", "state": "running", "age_s": 14.0, "prompt_tokens": 9, "output_tokens": 3,
+         "blocks_held": 1, "blocks_needed": 0, "client_connected": True}]
+
+
+def load(name: str) -> Bundle:
+    return replace(read_bundle(BUNDLES / f"{name}.tar.gz"), verdict=None)
+
+
+def pid_of(b: Bundle, role: Role) -> int:
+    return next(p.pid for p in b.samples[-1].processes if p.role == role)
+
+
+def deadlocked(b: Bundle, stuck_for: float = 12.0, age_s: float = 0.3) -> Bundle:
+    """The EngineCore's report at each sample: stuck in execute_model_wait since stuck_for before the last."""
+    pid, end = pid_of(b, Role.ENGINE_CORE), b.samples[-1].t
+    return with_readings(b, lambda i, s: (reading(pid, s.t, age_s, stuck_for - (end - s.t), stage=STUCK,
+                                                  steps=500, scheduler=RUNNING, requests=HELD, requests_total=1),))
+
+
+def no_ptrace(b: Bundle) -> Bundle:
+    """The same capture as a user without CAP_SYS_PTRACE sees it: every py-spy dump refused."""
+    fails = tuple(CollectorFailure("pyspy", FailureKind.PERMISSION, "py-spy was refused ptrace access", str(p.pid))
+                  for p in b.samples[0].processes)
+    return replace(b, samples=tuple(replace(s, stacks=(), failures=s.failures + fails) for s in b.samples))
+
+
+# --- engine deadlock -----------------------------------------------------------------------------------
+
+def test_a_stuck_stage_decides_a_deadlock_and_says_the_engine_did():
+    v = classify(deadlocked(load("engine-deadlock")))
+    assert (v.verdict, v.rule, v.confidence) == (VerdictKind.ENGINE_DEADLOCK, "live_engine_report_deadlock", 0.95)
+    first = v.evidence[0]
+    assert first.source == "engine" and first.what.startswith("stage execute_model_wait for 12 s, running 1")
+    assert any(e.source == "engine" and "cmpl-held-0" in e.what for e in v.evidence)
+    assert v.facts["source"] == "engine" and v.facts["request_ids"] == ["cmpl-held-0"]
+
+
+def test_the_report_decides_without_ptrace_or_metrics():
+    b = no_ptrace(load("engine-deadlock"))
+    b = replace(b, log_lines=(), samples=tuple(replace(s, metrics=None) for s in b.samples))
+    assert classify(b).verdict is VerdictKind.INCONCLUSIVE  # nothing else to go on
+    v = classify(deadlocked(b))
+    assert v.verdict is VerdictKind.ENGINE_DEADLOCK and v.rule == "live_engine_report_deadlock"
+
+
+def test_a_short_stall_is_not_certain():
+    v = classify(deadlocked(load("engine-deadlock"), stuck_for=3.0))
+    assert v.rule == "live_engine_report_deadlock" and v.confidence == 0.85
+
+
+def test_a_stale_report_does_not_decide_but_is_said():
+    """A report not rewritten for 3 intervals: the rule wants a fresh one; the metrics' deadlock cites it."""
+    v = classify(deadlocked(load("engine-deadlock"), age_s=9.0))
+    assert v.rule == "live_engine_deadlock"
+    line = next(e for e in v.evidence if "not rewritten" in e.what)
+    assert line.source == "engine" and "not running Python" in line.what
+
+
+def test_a_stepping_engine_is_not_stuck_in_its_stage():
+    b = load("engine-deadlock")
+    pid = pid_of(b, Role.ENGINE_CORE)
+    b = with_readings(b, lambda i, s: (reading(pid, s.t, 0.3, 5.0, stage=STUCK, steps=100 + 50 * i,
+                                               written_mono_ns=10**9 * (i + 1), scheduler=RUNNING),))
+    assert classify(b).rule == "live_engine_deadlock"  # the metrics' verdict, not the report's
+
+
+# --- admission wedge -------------------------------------------------------------------------------------
+
+def wedged(b: Bundle) -> Bundle:
+    pid = pid_of(b, Role.ENGINE_CORE)
+    sched = {"running": 0, "waiting": 1, "waiting_by_reason": {"capacity": 1, "deferred": 0}, "paused": False,
+             "kv_blocks": {"free": 4, "total": 4, "block_size": 16}}
+    req = [{"id": "cmpl-big-0", "state": "waiting", "age_s": 30.0, "prompt_tokens": 70, "output_tokens": 0,
+            "blocks_held": 0, "blocks_needed": 5, "client_connected": True}]
+    return with_readings(b, lambda i, s: (reading(pid, s.t, 0.2, 0.001, stage={"name": "scheduling",
+                                                                               "since_mono_ns": 1, "phase": None},
+                                                  steps=1000 * (i + 1), written_mono_ns=10**9 * (i + 1),
+                                                  scheduler=sched, requests=req, requests_total=1),))
+
+
+def test_a_request_that_never_fits_is_named():
+    v = classify(wedged(load("admission-wedge")))
+    assert (v.verdict, v.rule, v.confidence) == (VerdictKind.ADMISSION_WEDGE, "live_engine_report_wedge", 0.95)
+    assert v.evidence[0].source == "engine"
+    assert v.evidence[0].what == ("request cmpl-big-0 needs 5 KV blocks; the pool holds 4 in all, 3 for requests "
+                                  "(one is vLLM's null block), 4 free")
+    assert "stepped 5000 times" in v.evidence[1].what
+    assert "cmpl-big-0" in v.advice[0] and "cmpl-big-0" in v.summary
+    assert v.facts["request"] == "cmpl-big-0" and v.facts["blocks_needed"] == 5
+
+
+def test_one_report_cannot_show_the_engine_stepping():
+    b = wedged(load("admission-wedge"))
+    v = classify(replace(b, samples=b.samples[:1]))
+    assert v.rule != "live_engine_report_wedge"
+
+
+# --- shutdown and start-up ------------------------------------------------------------------------------
+
+def test_a_long_shutting_down_stage_supports_a_shutdown_hang():
+    b = load("shutdown-hang")
+    pid = pid_of(b, Role.API_SERVER)
+    b = with_readings(b, lambda i, s: (reading(pid, s.t, 0.2, SHUTDOWN_LONG_S + 20, role="api_server",
+                                               stage={"name": "shutting_down", "since_mono_ns": 1, "phase": None},
+                                               scheduler=None, requests=[]),))
+    v = classify(b)
+    assert v.verdict is VerdictKind.SHUTDOWN_HANG
+    assert any(e.source == "engine" and e.what.startswith("stage shutting_down for 30 s") for e in v.evidence)
+    # with the log and the stacks gone, the report is the sign that a shutdown began
+    bare = replace(b, log_lines=(), samples=tuple(replace(s, stacks=()) for s in b.samples))
+    assert classify(bare).verdict is VerdictKind.SHUTDOWN_HANG
+    assert classify(replace(bare, samples=tuple(replace(s, engine=()) for s in bare.samples))).verdict \
+        is not VerdictKind.SHUTDOWN_HANG
+
+
+def test_the_start_up_verdict_names_the_reported_phase():
+    b = load("startup-hang")
+    pid = pid_of(b, Role.WORKER)
+    b = with_readings(b, lambda i, s: (reading(pid, s.t, 0.2, 95.0, role="worker", scheduler=None, requests=[],
+                                               steps=None, model_steps=None,
+                                               stage={"name": "starting", "since_mono_ns": 1,
+                                                      "phase": "KV cache / profiling"}),))
+    v = classify(b)  # the Worker's stack names its phase: that stays, and the report's line is cited
+    assert v.verdict is VerdictKind.STARTUP_HANG and v.facts["phase"] == "graph capture / warm-up"
+    assert any(e.source == "engine" and "stage starting (KV cache / profiling)" in e.what for e in v.evidence)
+    blind = classify(replace(b, samples=tuple(replace(s, stacks=()) for s in b.samples)))
+    assert blind.verdict is VerdictKind.STARTUP_HANG and blind.facts["phase"] == "KV cache profiling"
+    assert "KV cache profiling" in blind.summary
+
+
+# --- what could not be read ------------------------------------------------------------------------------
+
+def test_no_ptrace_and_no_report_says_what_would_decide():
+    b = no_ptrace(load("engine-deadlock"))
+    b = replace(b, log_lines=(), samples=tuple(replace(s, metrics=None) for s in b.samples))
+    b = with_readings(b, lambda i, s: tuple(missing(p.pid, s.t) for p in s.processes if p.role != Role.OTHER))
+    v = classify(b)
+    assert v.verdict is VerdictKind.INCONCLUSIVE
+    line = next(e for e in v.evidence if "WEDGE_ENGINE_REPORT=1" in e.what)
+    assert "CAP_SYS_PTRACE" in line.what and "not found" in line.what and "refused ptrace" in line.what
+
+
+def test_a_weaker_verdict_says_it_too_and_a_bundle_without_reports_says_nothing():
+    """Four samples of the deadlock without stacks: the metrics' deadlock at 0.85, short of certain."""
+    b = no_ptrace(load("engine-deadlock"))
+    b = replace(b, samples=b.samples[:4])
+    plain = classify(b)
+    looked = classify(with_readings(b, lambda i, s: tuple(missing(p.pid, s.t) for p in s.processes)))
+    assert (looked.verdict, looked.confidence) == (plain.verdict, plain.confidence) == (VerdictKind.ENGINE_DEADLOCK,
+                                                                                        0.85)
+    assert not any("WEDGE_ENGINE_REPORT" in e.what for e in plain.evidence)  # an old bundle never looked
+    assert any("WEDGE_ENGINE_REPORT=1" in e.what for e in looked.evidence)
+    assert classify(load("engine-deadlock")).evidence == classify(
+        with_readings(load("engine-deadlock"), lambda i, s: tuple(missing(p.pid, s.t) for p in s.processes))
+    ).evidence  # a certain verdict, with stacks: nothing to add
+
+
+# --- facts ---------------------------------------------------------------------------------------------
+
+def test_the_facts_read_the_last_report():
+    b = wedged(load("admission-wedge"))
+    f = Facts(b)
+    assert f.engine_stage == ("scheduling", 0.001) and f.engine_report_fresh
+    assert f.engine_scheduler is not None and f.engine_scheduler.waiting == 1
+    assert [r.id for r in f.engine_requests] == ["cmpl-big-0"]
+    assert f.engine_report_steps == (1000, 6000, 5.0)
+    assert set(f.engine_readings) == {pid_of(b, Role.ENGINE_CORE)}
+    assert Facts(load("admission-wedge")).engine_report is None
+
+
+# --- bundle and rendering --------------------------------------------------------------------------------
+
+def test_an_old_bundle_reads_with_no_engine_reports():
+    b = read_bundle(BUNDLES / "engine-deadlock.tar.gz")
+    assert b.samples and all(s.engine == () for s in b.samples)
+
+
+def test_engine_readings_survive_the_bundle(tmp_path):
+    b = deadlocked(load("engine-deadlock"))
+    b = with_readings(b, lambda i, s: (*s.engine, missing(1, s.t, "unreadable: EACCES on /tmp/x")))
+    back = read_bundle(write_bundle(b, tmp_path / "b.tar.gz"))
+    assert [s.engine for s in back.samples] == [s.engine for s in b.samples]
+    assert classify(back).rule == "live_engine_report_deadlock"
+
+
+def test_the_evidence_renders_with_its_source():
+    lines = list(render_verdict(classify(deadlocked(load("engine-deadlock")))))
+    assert any(line.startswith("  [engine] stage execute_model_wait for 12 s, running 1") for line in lines)
+    lines = list(render_verdict(classify(wedged(load("admission-wedge")))))
+    assert "  [engine] request cmpl-big-0 needs 5 KV blocks; the pool holds 4 in all, 3 for" in lines
+
+
+def test_a_wrong_type_in_a_bundles_engine_reading_is_refused_naming_the_field(tmp_path):
+    import json
+    import pytest
+    from wedgectl.model.errors import BadBundle
+    from wedgectl.store.bundle import decode, encode
+
+    files = encode(deadlocked(load("engine-deadlock")))
+    lines = files["samples.jsonl"].decode().splitlines()
+    first = json.loads(lines[0])
+    first["engine"][0]["report"]["stage"]["since_mono_ns"] = "soon"
+    files["samples.jsonl"] = "\n".join([json.dumps(first), *lines[1:]]).encode()
+    with pytest.raises(BadBundle, match=r"samples.jsonl line 1: engine\[0\].report.stage.since_mono_ns"):
+        decode(files, "b")
+
+
+def test_each_sample_reads_the_reports_of_the_engine_processes(monkeypatch):
+    from wedgectl.capture import sample
+    from wedgectl.capture.discover import Deployment
+    from wedgectl.capture.options import SamplerOptions
+
+    procs = load("idle").samples[0].processes
+    dep = Deployment(root_pid=procs[0].pid, api_pid=procs[0].pid, roles={p.pid: p.role for p in procs},
+                     base_url=None, metrics_url=None)
+    asked: list[list[int]] = []
+    monkeypatch.setattr(sample, "collect_processes", lambda dep, tree=None: (procs, []))
+    monkeypatch.setattr(sample, "read_engine_reports", lambda pids: asked.append(pids) or tuple(
+        missing(p, 0.0) for p in pids))
+    got = sample.begin_sample(dep, None, SamplerOptions(), burst=0).sample(dep)
+    engine = [p.pid for p in procs if p.role in (Role.API_SERVER, Role.ENGINE_CORE, Role.WORKER)]
+    assert asked == [engine] and [r.pid for r in got.engine] == engine
+
+
+def test_a_watched_sample_counts_its_engine_reports_against_the_budget():
+    from wedgectl.watch.targets import sample_bytes
+
+    s = load("engine-deadlock").samples[0]
+    assert sample_bytes(deadlocked(load("engine-deadlock")).samples[0]) > sample_bytes(s)
