@@ -205,7 +205,8 @@ class ServerLeakCheck:
 # --- parallel runs ---------------------------------------------------------------------------------------
 # The README's test command runs `pytest -n 2 --dist loadgroup`: two workers, fed one unit of work at a time.
 # A unit is a test module (its module-scoped fixtures, a server say, then start once), or all the tests that
-# share one session fixture that must exist once per run (ONE_PER_RUN). The integration units are handed out
+# share one session fixture that must exist once per run (ONE_PER_RUN), or an integration test that shares no
+# module-scoped fixture (a unit of its own: see work_unit). The integration units are handed out
 # first, the largest first, and the many short unit-test modules after them, so that the last minutes of a
 # run are spent on small work on both workers rather than one long module on one.
 # Serial runs (no -n) keep pytest's own order.

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from wedgectl.classify import confidence as C
 from wedgectl.classify import enginefacts as ef
-from wedgectl.classify.evidence import counter_evidence, engine_cpu_evidence, fmt_duration, metrics_evidence, present
+from wedgectl.classify.evidence import (counter_evidence, deadlock_process_evidence, engine_cpu_evidence, fmt_duration,
+                                        listening_evidence, metrics_evidence, present)
 from wedgectl.classify.facts import CERTAIN_FROZEN_S, MIN_FROZEN_S, Facts
 from wedgectl.classify.rule import Rule
+from wedgectl.classify.verdictfacts import deadlock_facts, wedge_facts
 from wedgectl.model import engine as E
 from wedgectl.model.engine import EngineReading, EngineReport, RequestSample
 from wedgectl.model.types import Evidence, Role, Verdict, VerdictKind
@@ -137,9 +139,9 @@ def _deadlock_verdict(f: Facts) -> Verdict:
     ev = list(present(stage_evidence(f, r), requests_evidence(rep), report_stack_evidence(rep)))
     if f.scrapes:
         ev += [metrics_evidence(f, f"{f.running:.0f} running, {f.waiting:.0f} waiting"), counter_evidence(f)]
-    ev += present(engine_cpu_evidence(f))
+    ev += deadlock_process_evidence(f)  # the stacks, where ptrace gave them: beside the report, not instead
     ev += stale_evidence(f)
-    ev += f.probe_evidence
+    ev += present(listening_evidence(f))
     held = rep.requests_in("running") or rep.requests
     advice: tuple[str, ...] = () if f.native_captured else (
         "Capture native stacks of the EngineCore and Workers (`wedgectl diagnose --pid PID --native`): the "
@@ -153,7 +155,7 @@ def _deadlock_verdict(f: Facts) -> Verdict:
         f"The engine stopped inside a step: its own report has the EngineCore in {name} for "
         f"{fmt_duration(age or 0.0)} with {running:.0f} request(s) running.",
         "live_engine_report_deadlock", tuple(ev), advice,
-        {"source": SOURCE, "stage": name, "stage_s": round(age or 0.0, 1), "running": running,
+        {**deadlock_facts(f), "source": SOURCE, "stage": name, "stage_s": round(age or 0.0, 1), "running": running,
          "waiting": f.waiting, "report_age_s": None if r.age_s is None else round(r.age_s, 2),
          "request_ids": [q.id for q in held[:MOST_IDS]]},
     )
@@ -182,18 +184,40 @@ def live_engine_report_wedge(f: Facts) -> bool:
     return running < 1 and never_fitting(f) is not None
 
 
+def never_fits_evidence(f: Facts) -> tuple[Evidence, str] | None:
+    """The request of the EngineCore's report that can never be admitted, as an evidence line and the advice
+    that names it (what to run to abort it); None without a report that names one. The metrics' wedge
+    verdict cites it too, where it decides first."""
+    req, sched = never_fitting(f), f.engine_scheduler
+    kv = sched.kv_blocks if sched is not None else None
+    if req is None or kv is None or kv.total is None or req.blocks_needed is None:
+        return None
+    ev = Evidence(SOURCE, f"request {req.id} needs {req.blocks_needed} KV blocks; the pool holds {kv.total} in "
+                  f"all, {kv.total - 1} for requests (one is vLLM's null block)"
+                  + (f", {kv.free} free" if kv.free is not None else ""),
+                  values={"request": req.id, "blocks_needed": req.blocks_needed, "kv_total": kv.total,
+                          "kv_free": kv.free, "block_size": kv.block_size, "prompt_tokens": req.prompt_tokens,
+                          "waiting_s": None if req.age_s is None else round(req.age_s, 1)})
+    size = f" blocks of {kv.block_size} tokens" if kv.block_size else ""
+    api = f.api_server
+    how = (f"`wedgectl remedy --pid {api.pid} --yes` ends its client's connection, and vLLM aborts a request "
+           "whose client is gone" if api is not None else "end its client's connection (vLLM aborts a request "
+           "whose client is gone), or restart")
+    advice = (f"Abort request {req.id}: {how}. It needs {req.blocks_needed} KV blocks and the pool gives a request "
+              f"at most {kv.total - 1}{size}, so it waits for ever and holds every request behind it. Then size the "
+              "pool: raise --gpu-memory-utilization / --num-gpu-blocks-override, or lower --max-model-len below "
+              "what the pool can hold.")
+    return ev, advice
+
+
 def _wedge_verdict(f: Facts) -> Verdict:
     req, sched, steps, r = never_fitting(f), f.engine_scheduler, f.engine_report_steps, f.engine_report
-    assert req is not None and sched is not None and steps is not None and r is not None
+    named = never_fits_evidence(f)
+    assert req is not None and sched is not None and steps is not None and r is not None and named is not None
     kv = sched.kv_blocks
-    assert kv is not None and kv.total is not None and req.blocks_needed is not None
+    assert kv is not None and kv.total is not None
     first, last, span = steps
-    ev = [Evidence(SOURCE, f"request {req.id} needs {req.blocks_needed} KV blocks; the pool holds {kv.total} in "
-                   f"all, {kv.total - 1} for requests (one is vLLM's null block)"
-                   + (f", {kv.free} free" if kv.free is not None else ""),
-                   values={"request": req.id, "blocks_needed": req.blocks_needed, "kv_total": kv.total,
-                           "kv_free": kv.free, "block_size": kv.block_size, "prompt_tokens": req.prompt_tokens,
-                           "waiting_s": None if req.age_s is None else round(req.age_s, 1)}),
+    ev = [named[0],
           Evidence(SOURCE, f"the engine stepped {last - first} times in {span:.1f} s with nothing running and "
                    f"{sched.waiting if sched.waiting is not None else '?'} waiting: each step refuses it "
                    f"({_who(f, r)}'s report)",
@@ -202,26 +226,24 @@ def _wedge_verdict(f: Facts) -> Verdict:
     if f.scrapes:
         ev += [metrics_evidence(f, f"{f.waiting:.0f} waiting, {f.running:.0f} running"), counter_evidence(f)]
     ev += present(engine_cpu_evidence(f))
-    size = f" blocks of {kv.block_size} tokens" if kv.block_size else ""
-    api = f.api_server
-    how = (f"`wedgectl remedy --pid {api.pid} --yes` ends its client's connection, and vLLM aborts a request "
-           "whose client is gone" if api is not None else "end its client's connection (vLLM aborts a request "
-           "whose client is gone), or restart")
+    waiting = sched.waiting if sched.waiting is not None else f"{f.waiting:.0f}"
+    m = f.last_metrics  # before 0.20 no waiting_by_reason: capacity is what the report's blocks show
+    inferred = "" if m is not None and (m.waiting_capacity is not None or m.waiting_deferred is not None) else (
+        ", inferred from the blocks")
     advice = (
-        f"Abort request {req.id}: {how}. It needs {req.blocks_needed} KV blocks and the pool gives a request at "
-        f"most {kv.total - 1}{size}, so it waits for ever and holds every request behind it. Then size the pool: "
-        "raise --gpu-memory-utilization / --num-gpu-blocks-override, or lower --max-model-len below what the pool "
-        "can hold.",
+        named[1],
         "Run the patched engine: its admission guard fails such requests at once with the blocks needed and "
         "available.",
     )
     return Verdict(
         VerdictKind.ADMISSION_WEDGE,
         C.WEDGE_ENGINE_REPORT_CORROBORATED if f.tokens_frozen else C.WEDGE_ENGINE_REPORT,
-        f"Request {req.id} needs {req.blocks_needed} KV blocks, more than the {kv.total - 1} the pool gives a "
-        "request: the scheduler never admits it; nothing runs, engine stepping.",
+        f"{waiting} request(s) waiting (reason: capacity{inferred}) that the scheduler never admits: {req.id} needs "
+        f"{req.blocks_needed} KV blocks, more than the {kv.total - 1} the pool gives a request; nothing runs, "
+        "engine stepping.",
         "live_engine_report_wedge", tuple(ev), advice,
-        {"source": SOURCE, "request": req.id, "blocks_needed": req.blocks_needed, "kv_total": kv.total,
+        {**wedge_facts(f), "source": SOURCE, "request": req.id, "blocks_needed": req.blocks_needed,
+         "kv_total": kv.total,
          "kv_free": kv.free, "waiting": sched.waiting, "reason": "capacity"},
     )
 

@@ -244,3 +244,29 @@ STARVED_ADVICE = (
     "Find it (vllm:request_params_max_tokens, your access log) and cap max_tokens per request.",
     "Limit concurrency per KV (--max-num-seqs, --max-model-len) or add KV capacity.",
 )
+
+
+
+def deadlock_process_evidence(f: Facts) -> list[Evidence]:
+    """What the processes show of a stopped engine, for either deadlock verdict (the metrics' or the engine
+    report's): CPU, heartbeat, stacks and where the Workers stopped, probes and futexes."""
+    ev = list(present(engine_cpu_evidence(f), heartbeat_evidence(f), engine_stack_evidence(f)))
+    ev += profile_evidence(f)
+    ev += f.probe_evidence
+    if f.engine_core is not None:
+        ev += present(futex_evidence(f.engine_core))
+    for w in f.workers:
+        dump = f.stacks.get(w.pid)
+        inner = stk.innermost_interesting(dump) if dump else None
+        if inner:
+            ev.append(Evidence("stack", f"Worker pid {w.pid} stuck in {inner}", values={"pid": w.pid}))
+    return ev
+
+
+def listening_evidence(f: Facts) -> Evidence | None:
+    """The API server still listening (and so answering /metrics) while its engine is stopped."""
+    api = f.api_server
+    if api is None or not api.listening:
+        return None
+    return Evidence("proc", f"API server pid {api.pid} still listening on {', '.join(api.listening)} and answering "
+                    "/metrics")

@@ -13,7 +13,9 @@ from wedgectl.classify.evidence import (
     engine_stack_evidence,
     failure_evidence,
     fmt_duration,
+    deadlock_process_evidence,
     futex_evidence,
+    listening_evidence,
     heartbeat_evidence,
     log_stamp,
     message,
@@ -24,8 +26,9 @@ from wedgectl.classify.evidence import (
 )
 from wedgectl.classify.corroboration import starved_for_capacity, wedge_refused_for_capacity
 from wedgectl.classify.deferred import DEFERRED, DEFERRED_ADVICE, reason_text, waiting_reason
-from wedgectl.classify.enginerules import (DEADLOCK_RULE, WEDGE_RULE, shutdown_evidence, shutting_down, stage_evidence,
-                                           stale_evidence)
+from wedgectl.classify.enginerules import (DEADLOCK_RULE, WEDGE_RULE, never_fits_evidence, shutdown_evidence,
+                                           shutting_down, stage_evidence, stale_evidence)
+from wedgectl.classify.verdictfacts import deadlock_facts, wedge_facts
 from wedgectl.classify.facts import CERTAIN_FROZEN_S, STEAL_SHARE, Facts, mostly_queued, mostly_throttled
 from wedgectl.classify.series import slope_per_s
 from wedgectl.classify.leak import LEAK_RULE
@@ -174,8 +177,12 @@ def _admission_wedge_verdict(f: Facts) -> Verdict:
     ev += present(engine_cpu_evidence(f), heartbeat_evidence(f))
     ev += profile_evidence(f) or list(present(engine_stack_evidence(f)))
     ev += f.probe_evidence
+    named = never_fits_evidence(f)  # the engine's own report, where it has one: the request, by id
+    if named is not None:
+        ev.append(named[0])
     reason = waiting_reason(m)
     advice = list(DEFERRED_ADVICE) if reason == DEFERRED else [
+        named[1] if named is not None else
         "The request needs more KV blocks than the pool can ever free: it will wait forever. "
         "Abort it (or restart), then size the pool: raise --gpu-memory-utilization / "
         "--num-gpu-blocks-override, or lower --max-model-len below the servable context.",
@@ -190,11 +197,9 @@ def _admission_wedge_verdict(f: Facts) -> Verdict:
         f"tokens frozen {fmt_duration(f.tokens_frozen_s)}"
         + ((", engine spinning." if f.engine_spinning or f.heartbeat_spinning else ", engine stepping.")
            if spinning else "."),
-        "live_admission_wedge", tuple(ev), tuple(advice),
-        {"frozen_s": round(f.tokens_frozen_s, 2), "engine_cores": f.engine_cores, "waiting": f.waiting,
-         "worker_model_share": f.worker_model_share, "kv_usage_pct": round((m.kv_usage or 0) * 100, 2),
-         "waiting_capacity": m.waiting_capacity, "waiting_deferred": m.waiting_deferred, "reason": reason},
+        "live_admission_wedge", tuple(ev), tuple(advice), wedge_facts(f),
     )
+
 
 
 # ------------------------------------------------------- an engine the host starves
@@ -286,24 +291,11 @@ def _engine_deadlock_verdict(f: Facts) -> Verdict:
     running, waiting = f.running, f.waiting
     ev = [metrics_evidence(f, f"{running:.0f} running, {waiting:.0f} waiting, all gauges frozen"), counter_evidence(f)]
     ev += present(stepless_evidence(f))
-    ev += present(engine_cpu_evidence(f), heartbeat_evidence(f), engine_stack_evidence(f))
-    ev += profile_evidence(f)
-    ev += f.probe_evidence
-    if f.engine_core is not None:
-        ev += present(futex_evidence(f.engine_core))
-    for w in f.workers:
-        dump = f.stacks.get(w.pid)
-        inner = stk.innermost_interesting(dump) if dump else None
-        if inner:
-            ev.append(Evidence("stack", f"Worker pid {w.pid} stuck in {inner}", values={"pid": w.pid}))
+    ev += deadlock_process_evidence(f)
     if f.engine_report is not None:  # the engine's own report, where it has one: its stage, or that it went stale
         ev += present(stage_evidence(f, f.engine_report))
     ev += stale_evidence(f)
-    api = f.api_server
-    if api is not None and api.listening:
-        ev.append(Evidence("proc",
-                           f"API server pid {api.pid} still listening on {', '.join(api.listening)} and answering "
-                           "/metrics"))
+    ev += present(listening_evidence(f))
     advice: tuple[str, ...] = () if f.native_captured else (
         "Capture native stacks of the EngineCore and Workers (`wedgectl diagnose --pid PID --native`): "
         "the innermost frame names the kernel, collective or lock it waits on.",)
@@ -314,11 +306,9 @@ def _engine_deadlock_verdict(f: Facts) -> Verdict:
         VerdictKind.ENGINE_DEADLOCK, _deadlock_confidence(f),
         f"The engine stopped with {running:.0f} running / {waiting:.0f} waiting; counters frozen "
         f"{fmt_duration(f.tokens_frozen_s)}" + (", EngineCore parked." if f.engine_parked else "."),
-        "live_engine_deadlock", tuple(ev), advice,
-        {"frozen_s": round(f.tokens_frozen_s, 2), "engine_cores": f.engine_cores, "running": running,
-         "waiting": waiting,
-         "worker_model_share": f.worker_model_share},
+        "live_engine_deadlock", tuple(ev), advice, deadlock_facts(f),
     )
+
 
 
 # ---------------------------------------------------------------------- starved
