@@ -251,3 +251,13 @@ def test_a_watched_sample_counts_its_engine_reports_against_the_budget():
 
     s = load("engine-deadlock").samples[0]
     assert sample_bytes(deadlocked(load("engine-deadlock")).samples[0]) > sample_bytes(s)
+
+
+def test_with_several_ranks_a_stuck_stage_leaves_the_collective_to_the_ranks_stacks():
+    """TP 2: the EngineCore waits in execute_model_wait whether a rank deadlocked or never reached the all-reduce;
+    the report cannot tell them apart, the ranks' stacks do (seen live: `--native` stopped early on the report's
+    deadlock before the collective rule had its evidence)."""
+    b = load("collective-hang")
+    assert sum(p.role == Role.WORKER for p in b.samples[-1].processes) == 2
+    v = classify(deadlocked(b))
+    assert v.verdict is VerdictKind.COLLECTIVE_HANG and v.rule != "live_engine_report_deadlock", v.summary

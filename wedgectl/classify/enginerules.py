@@ -120,9 +120,11 @@ def live_engine_report_deadlock(f: Facts) -> bool:
     dispatches a step to the executor and blocks on the future's result(); the report's thread runs
     beside it, so a report rewritten on time that keeps naming one stage means the main thread never
     came back. Not while tokens advance or the report's steps rise (the engine steps), nor while the host
-    starves the engine of CPU (live_engine_waits_for_cpu, before this rule, says so)."""
+    starves the engine of CPU (live_engine_waits_for_cpu, before this rule, says so). Not with several
+    Worker ranks either: there the same stage is also a collective that one rank never reached, which only
+    the ranks' own stacks tell apart (the collective rule, and the metrics' deadlock after it, decide)."""
     stage, r = f.engine_stage, f.engine_report
-    if stage is None or r is None or r.report is None or not f.engine_report_fresh:
+    if stage is None or r is None or r.report is None or not f.engine_report_fresh or len(f.workers) > 1:
         return False
     name, age = stage
     if name not in E.MODEL_STAGES or age is None or age < MIN_FROZEN_S or _running(f, r.report) < 1:
