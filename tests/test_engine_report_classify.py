@@ -261,3 +261,19 @@ def test_with_several_ranks_a_stuck_stage_leaves_the_collective_to_the_ranks_sta
     assert sum(p.role == Role.WORKER for p in b.samples[-1].processes) == 2
     v = classify(deadlocked(b))
     assert v.verdict is VerdictKind.COLLECTIVE_HANG and v.rule != "live_engine_report_deadlock", v.summary
+
+
+def test_a_start_up_without_stacks_is_placed_by_the_reports_own():
+    """The recorded start-up hang with py-spy's dumps gone (refused, or not taken in time under load): the Worker's
+    report, overdue in its start-up stage, took its own stacks, and those name the phase and the frame."""
+    b = no_ptrace(load("startup-hang"))
+    pid = pid_of(b, Role.WORKER)
+    frames = [{"file": "wedge_engine/faults/startstall.py", "line": 82, "function": "stall"},
+              {"file": "vllm/v1/worker/worker_base.py", "line": 300, "function": "compile_or_warm_up_model"}]
+    stacks = {"reason": "stage starting for 30.0 s", "taken_mono_ns": 1,
+              "threads": [{"name": "MainThread", "id": 1, "frames": frames}]}
+    stage = {"name": "starting", "since_mono_ns": 100, "phase": "graph capture / warm-up"}
+    v = classify(with_readings(b, lambda i, s: (reading(pid, s.t, 0.4, 30.0, role="worker", stage=stage,
+                                                        scheduler=None, requests=[], stacks=stacks),)))
+    assert v.verdict is VerdictKind.STARTUP_HANG, v.summary
+    assert any("compile_or_warm_up_model" in e.what and "the engine's own report" in e.what for e in v.evidence)

@@ -126,9 +126,19 @@ class StackPhase:
 
 
 def stack_phase(f: Facts) -> StackPhase | None:
-    """The phase the stacks name: a Worker's first, then the EngineCore's, then the API server's."""
+    """The phase the stacks name: a Worker's first, then the EngineCore's, then the API server's. Where py-spy's
+    name none, or only a wait on another process, the stacks the engine's own report took of itself once its
+    start-up stage was overdue say where the Worker or EngineCore is."""
     order = {Role.WORKER: 0, Role.ENGINE_CORE: 1, Role.API_SERVER: 2}
-    for p in sorted(f.last_processes, key=lambda p: order.get(p.role, 3)):
+    ordered = sorted(f.last_processes, key=lambda p: order.get(p.role, 3))
+    found = _pyspy_phase(f, ordered)
+    if found is None or found.phase in (WAIT_ENGINE, WAIT_WORKERS):
+        return _reported_phase(f, [p for p in ordered if p.role is not Role.API_SERVER]) or found
+    return found
+
+
+def _pyspy_phase(f: Facts, ordered: list[ProcessSample]) -> StackPhase | None:
+    for p in ordered:
         dump = f.stacks.get(p.pid)
         if dump is None:
             continue
@@ -139,6 +149,20 @@ def stack_phase(f: Facts) -> StackPhase | None:
                     return StackPhase(p.pid, p.role, _PHASE_FRAMES[name], frame)
                 if "torch/_dynamo" in frame or "torch/_inductor" in frame:
                     return StackPhase(p.pid, p.role, TORCH_COMPILE, frame)
+    return None
+
+
+def _reported_phase(f: Facts, engine: list[ProcessSample]) -> StackPhase | None:
+    """The phase a Worker's or EngineCore's report stacks name (frames innermost first), where py-spy gave none."""
+    readings = f.engine_readings
+    for p in engine:
+        r = readings.get(p.pid)
+        stacks = r.report.stacks if r is not None and r.report is not None else None
+        for thread in stacks.threads if stacks is not None else ():
+            for fr in thread.frames:
+                if fr.function in _PHASE_FRAMES:
+                    return StackPhase(p.pid, p.role, _PHASE_FRAMES[fr.function],
+                                      f"{fr.function} ({fr.file}:{fr.line}, the engine's own report)")
     return None
 
 
