@@ -14,7 +14,7 @@ from wedgectl.model.types import Role
 
 SERVER = """
 import socket, sys, time
-s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(8)
+s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1]) if len(sys.argv) > 1 else 0)); s.listen(8)
 print(s.getsockname()[1], flush=True)
 held = []
 s.settimeout(30)
@@ -74,9 +74,17 @@ def test_a_server_in_another_network_namespace_is_read_from_its_own_table() -> N
     from wedgectl.collect.sockets import TcpTables
 
     assert shutil.which("unshare"), "util-linux's unshare is part of the base system"
-    proc = subprocess.Popen(["unshare", "-n", sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+    # The port, held bound (never listening) in our namespace for the test's length: no other test's server can
+    # listen on it here meanwhile, so "not there" below is about the namespaces, not a neighbour's luck.
+    import socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    proc = subprocess.Popen(["unshare", "-n", sys.executable, "-c", SERVER, str(held.getsockname()[1])],
+                            stdout=subprocess.PIPE, text=True)
     try:
         port = int(proc.stdout.readline())
+        assert port == held.getsockname()[1]
         assert os.readlink(f"/proc/{proc.pid}/ns/net") != os.readlink("/proc/self/ns/net")
         tables = TcpTables()
         assert tables.listening_on(proc.pid, port) == (f"127.0.0.1:{port}",)
@@ -86,6 +94,7 @@ def test_a_server_in_another_network_namespace_is_read_from_its_own_table() -> N
     finally:
         proc.kill()
         proc.wait()
+        held.close()
 
 
 def test_the_ipv6_table_is_asked_only_while_an_ipv6_tcp_socket_exists(tmp_path, monkeypatch) -> None:
