@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +33,9 @@ def server() -> Iterator[int]:
     argv = [sys.executable, "-c", "import time; time.sleep(60)", "serve", "/models/Meta-Llama-3-8B/",
             "--served-model-name", "prod-llama", "prod-llama-alias"]
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30  # between fork and exec its argv is still ours: wait for the exec
+    while b"prod-llama" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.01)
     try:
         yield proc.pid
     finally:
