@@ -1,20 +1,26 @@
 #!/usr/bin/env python3
-"""Measure what the wedge_engine fixes cost: the same workload on stock and patched vLLM servers, side by side in
-one run.
+"""Measure what the wedge_engine plugin costs: the same workload on stock, patched and report-only vLLM servers,
+side by side in one run.
 
 The workload is C client threads sending the same completion back to back
 (temperature 0, ignore_eos, fixed max_tokens) for a phase of S seconds after a
-warm-up. The bench alternates stock and patched phases (stock, patched,
-stock, patched, ...) so drift in the host's load hits both alike, and prints
-each side's median throughput (generated tokens/s, requests/s), request
-latency (p50, p95) and CPU time of the server's processes per generated
-token, and the ratios patched/stock (goal: throughput >= 0.99). On a shared
-box wall-clock throughput swings with other load; CPU per token, and the
-per-round ratios of adjacent phases, are steadier.
+warm-up. The bench alternates the sides' phases, each round in another order
+(stock, patched, report; then patched, report, stock; ...) so drift in the
+host's load hits them alike, and prints each side's median throughput
+(generated tokens/s, requests/s), request latency (p50, p95) and CPU time of
+the server's processes per generated token, and the ratios patched/stock and
+report/stock (goal: throughput >= 0.99). On a shared box wall-clock
+throughput swings with other load; CPU per token, and the per-round ratios of
+phases of the same round, are steadier.
 
 Stock is upstream vLLM with no plugin loaded (``VLLM_PLUGINS=""``); patched
 loads this checkout's engine/ (installed into a private folder on PYTHONPATH)
-with ``WEDGE_ENGINE_FIXES=all``.
+with ``WEDGE_ENGINE_FIXES=all``, which turns the engine's own report on too;
+report loads the same plugin with ``WEDGE_ENGINE_REPORT=1`` and no fix (what
+every `wedgectl repro` server runs): the report's stage hooks and its writer
+thread alone. Each phase checks its server is the side it claims (the fixes'
+heartbeat on /metrics for patched only; an engine report read for patched and
+report, none for stock). --no-report leaves the report side out.
 
 Then, on the admission-wedge configuration (4 KV blocks of 32, ``--max-model-len -1``,
 ``WEDGE_ENGINE_FAULT=admission-overhang``), it times the unadmittable request
@@ -25,12 +31,13 @@ SIGTERM -> exit time.
 
     python bench/engine_overhead.py                          # 3 rounds of 20 s, 4 clients, one server at a time
     python bench/engine_overhead.py --rounds 5 --seconds 30 --clients 8
-    python bench/engine_overhead.py --together               # both servers up at once, phases alternate
+    python bench/engine_overhead.py --together               # every side's server up at once, phases alternate
+    python bench/engine_overhead.py --no-report              # stock and patched only
     python bench/engine_overhead.py --python /venv/bin/python  # a GPU host's vLLM environment
 
 By default one server runs at a time (each round restarts them; shared boxes
-here allow one vLLM at a time); --together keeps both up, which needs twice
-the memory and measures with less drift.
+here allow one vLLM at a time); --together keeps all up, which needs a server's
+memory per side and measures with less drift.
 """
 
 from __future__ import annotations
@@ -53,13 +60,16 @@ import httpx  # noqa: E402
 from wedgectl.lab.runtime.install import runtime_python  # noqa: E402
 from wedgectl.lab.runtime import Server, ServerSpec, free_port, start_server, stop_server  # noqa: E402
 from wedgectl.lab.runtime.tinymodel import ensure_tiny_model  # noqa: E402
-from wedgectl.lab.engine_install import FIXES_ENV  # noqa: E402
+from wedgectl.lab.engine_install import FIXES_ENV, REPORT_ENV  # noqa: E402
+from wedgectl.collect.enginereport import read_engine_reports  # noqa: E402
 
 ENGINE_DIR = Path(__file__).resolve().parents[1] / "engine"  # this checkout's plugin source
 
 # Stock is upstream vLLM: no general plugin loads at all (VLLM_PLUGINS is an allow-list; "" allows none).
 STOCK_ENV = {"VLLM_PLUGINS": ""}
 PATCHED_ENV = dict(FIXES_ENV)
+# The plugin with its report on and no fix: each process's stage hooks and report thread alone.
+REPORT_ONLY_ENV = {**REPORT_ENV, "WEDGE_ENGINE_FIXES": "none"}
 OVERHANG_FLAGS = ("--num-gpu-blocks-override", "4", "--max-model-len", "-1")
 OVERHANG_ENV = {"WEDGE_ENGINE_FAULT": "admission-overhang", "WEDGE_ENGINE_FIXES": "all"}
 UNADMITTABLE = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 110,
@@ -76,6 +86,7 @@ class Phase:
     errors: int = 0
     all_tokens: int = 0  # warm-up included: what the CPU time below paid for
     cpu_s: float = float("nan")  # CPU seconds of the server's processes over the whole phase
+    round: int = 0
 
     @property
     def cpu_ms_per_token(self) -> float:
@@ -149,20 +160,26 @@ def tree_cpu_s(server: Server) -> float:
     return total
 
 
-def measured_phase(server: Server, side: str, args: argparse.Namespace) -> Phase:
+def measured_phase(server: Server, side: str, args: argparse.Namespace, round_: int = 0) -> Phase:
     cpu0 = tree_cpu_s(server)
     phase = run_phase(server.url, side, args.clients, args.seconds, args.warmup, args.max_tokens)
     phase.cpu_s = tree_cpu_s(server) - cpu0
-    check_side(server.url, side)
+    phase.round = round_
+    check_side(server, side)
     return phase
 
 
-def check_side(url: str, side: str) -> None:
-    """Refuse to report a patched phase whose server had no fixes (or a stock one that had the plugin)."""
-    has = "wedge_engine:steps_total" in httpx.get(f"{url}/metrics", timeout=10).text
+def check_side(server: Server, side: str) -> None:
+    """Refuse to report a phase whose server is not its side: the fixes' heartbeat on /metrics for patched
+    only, an engine report (the plugin's, read as wedgectl reads it) for patched and report, none for stock."""
+    has = "wedge_engine:steps_total" in httpx.get(f"{server.url}/metrics", timeout=10).text
     if has != (side == "patched"):
         raise SystemExit(f"bench: the {side} server {'lacks' if side == 'patched' else 'has'} the wedge_engine "
                          f"heartbeat; the comparison would be void")
+    reported = any(r.report is not None for r in read_engine_reports(server.tree_pids()))
+    if reported != (side != "stock"):
+        raise SystemExit(f"bench: the {side} server {'writes' if reported else 'lacks'} the engine's own report; "
+                         "the comparison would be void")
 
 
 def sigterm_exit_s(server: Server, wait_s: float = 60) -> float | None:
@@ -376,8 +393,10 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds at the start of each phase")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--together", action="store_true", help="keep both servers up and alternate phases")
+    ap.add_argument("--together", action="store_true", help="keep every side's server up and alternate phases")
     ap.add_argument("--no-admission", action="store_true", help="skip the unadmittable-request timing")
+    ap.add_argument("--no-report", action="store_true",
+                    help="leave out the report side (the plugin with WEDGE_ENGINE_REPORT=1 and no fix)")
     ap.add_argument("--python", default=None, help="the vLLM environment's python (default: the managed runtime)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/wedgectl-bench"), help="folder for server logs")
     ap.add_argument("--json", action="store_true", help="also print one JSON object at the end")
@@ -388,8 +407,15 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     plugin_env = private_plugin(py, args.out)
     sides = {"stock": STOCK_ENV, "patched": {**PATCHED_ENV, **plugin_env}}
+    if not args.no_report:
+        sides["report"] = {**REPORT_ONLY_ENV, **plugin_env}
     phases: list[Phase] = []
-    exits: dict[str, list[float]] = {"stock": [], "patched": []}
+    exits: dict[str, list[float]] = {side: [] for side in sides}
+
+    def order(r: int) -> list[str]:
+        """Round r's sides: the list rotated by r, so each side comes first, middle and last in turn."""
+        names = list(sides)
+        return names[r % len(names):] + names[:r % len(names)]
 
     def log(msg: str) -> None:
         print(f"bench: {msg}", file=sys.stderr, flush=True)
@@ -398,8 +424,8 @@ def main() -> int:
         servers = {side: start(py, model, env, args.out / f"{side}.log") for side, env in sides.items()}
         try:
             for r in range(args.rounds):
-                for side in (("stock", "patched") if r % 2 == 0 else ("patched", "stock")):
-                    phases.append(measured_phase(servers[side], side, args))
+                for side in order(r):
+                    phases.append(measured_phase(servers[side], side, args, r))
                     log(f"round {r + 1} {side}: {phases[-1].tokens_per_s:.1f} tokens/s")
             for side, server in servers.items():
                 e = sigterm_exit_s(server)
@@ -410,10 +436,10 @@ def main() -> int:
                 stop_server(server, grace=10)
     else:
         for r in range(args.rounds):
-            for side in (("stock", "patched") if r % 2 == 0 else ("patched", "stock")):
+            for side in order(r):
                 server = start(py, model, sides[side], args.out / f"{side}-{r}.log")
                 try:
-                    phases.append(measured_phase(server, side, args))
+                    phases.append(measured_phase(server, side, args, r))
                     log(f"round {r + 1} {side}: {phases[-1].tokens_per_s:.1f} tokens/s")
                     e = sigterm_exit_s(server)
                     if e is not None:
@@ -433,32 +459,44 @@ def main() -> int:
             "sigterm_exit_s": median(exits[side]),
         }
 
-    stock, patched = side_stats("stock"), side_stats("patched")
-    ratios = {
-        "throughput": patched["tokens_per_s"] / stock["tokens_per_s"],
-        "requests": patched["requests_per_s"] / stock["requests_per_s"],
-        "p50_latency": patched["p50_s"] / stock["p50_s"],
-        "p95_latency": patched["p95_s"] / stock["p95_s"],
-        "cpu_per_token": patched["cpu_ms_per_token"] / stock["cpu_ms_per_token"],
-    }
+    stats = {side: side_stats(side) for side in sides}
+    stock, patched = stats["stock"], stats["patched"]
+
+    def ratios_to_stock(other: dict[str, float]) -> dict[str, float]:
+        return {
+            "throughput": other["tokens_per_s"] / stock["tokens_per_s"],
+            "requests": other["requests_per_s"] / stock["requests_per_s"],
+            "p50_latency": other["p50_s"] / stock["p50_s"],
+            "p95_latency": other["p95_s"] / stock["p95_s"],
+            "cpu_per_token": other["cpu_ms_per_token"] / stock["cpu_ms_per_token"],
+        }
+
+    ratios = ratios_to_stock(patched)
+    report_ratios = ratios_to_stock(stats["report"]) if "report" in stats else {}
     print(f"workload: {args.clients} clients, max_tokens {args.max_tokens}, {args.rounds} rounds x "
-          f"{args.seconds:g} s per side ({'both up' if args.together else 'one server at a time'})")
+          f"{args.seconds:g} s per side ({'all up' if args.together else 'one server at a time'})")
     print(f"{'':9}{'tokens/s':>9}{'req/s':>7}{'p50 s':>7}{'p95 s':>7}{'errors':>7}{'cpu ms/tok':>11}"
           f"{'SIGTERM->exit s':>16}")
-    for side, st in (("stock", stock), ("patched", patched)):
+    for side, st in stats.items():
         print(f"{side:9}{st['tokens_per_s']:9.1f}{st['requests_per_s']:7.2f}{st['p50_s']:7.3f}{st['p95_s']:7.3f}"
               f"{st['errors']:7d}{st['cpu_ms_per_token']:11.3f}{st['sigterm_exit_s']:16.2f}")
-    print(f"patched/stock: throughput {ratios['throughput']:.3f} (goal >= 0.99), requests {ratios['requests']:.3f}, "
-          f"p50 latency {ratios['p50_latency']:.3f}, p95 latency {ratios['p95_latency']:.3f}, "
-          f"CPU per token {ratios['cpu_per_token']:.3f}")
+    for name, rs in (("patched", ratios), ("report", report_ratios)):
+        if rs:
+            print(f"{name}/stock: throughput {rs['throughput']:.3f} (goal >= 0.99), requests {rs['requests']:.3f}, "
+                  f"p50 latency {rs['p50_latency']:.3f}, p95 latency {rs['p95_latency']:.3f}, "
+                  f"CPU per token {rs['cpu_per_token']:.3f}")
     per_round = [f"{p.side[0]}{p.tokens_per_s:.0f}" for p in phases]
     print(f"per phase tokens/s: {' '.join(per_round)}")
-    # Each round's stock and patched phases are adjacent in time: their ratio cancels slow drift.
-    round_ratios = [b.tokens_per_s / a.tokens_per_s if a.side == "stock" else a.tokens_per_s / b.tokens_per_s
-                    for a, b in zip(phases[0::2], phases[1::2])]
-    ratios["throughput_per_round_median"] = median(round_ratios)
-    print(f"per round patched/stock throughput: {' '.join(f'{r:.3f}' for r in round_ratios)} "
-          f"(median {ratios['throughput_per_round_median']:.3f})")
+    # Each round's phases are adjacent in time: their ratio to the round's stock phase cancels slow drift.
+    for name, rs in (("patched", ratios), ("report", report_ratios)):
+        if not rs and name != "patched":
+            continue
+        round_ratios = [mine.tokens_per_s / base.tokens_per_s for r in range(args.rounds)
+                        for base in phases if base.round == r and base.side == "stock"
+                        for mine in phases if mine.round == r and mine.side == name]
+        rs["throughput_per_round_median"] = median(round_ratios)
+        print(f"per round {name}/stock throughput: {' '.join(f'{x:.3f}' for x in round_ratios)} "
+              f"(median {rs['throughput_per_round_median']:.3f})")
     costs = hook_costs_us()
     # At the stock rate: a step yields one token per running request; each token is one request output.
     steps_per_s = stock["tokens_per_s"] / max(1, args.clients)
@@ -480,8 +518,9 @@ def main() -> int:
             print(f"unadmittable 6+110 request -> HTTP {code} {where}: {shown}; SIGTERM -> exit "
                   f"{exit_s if exit_s is None else round(exit_s, 2)} s")
     if args.json:
-        print(json.dumps({"stock": stock, "patched": patched, "ratios": ratios, "admission": admission,
-                          "phases": [{"side": p.side, "tokens_per_s": p.tokens_per_s} for p in phases]}))
+        print(json.dumps({**stats, "ratios": ratios, "report_ratios": report_ratios, "admission": admission,
+                          "phases": [{"side": p.side, "round": p.round, "tokens_per_s": p.tokens_per_s}
+                                     for p in phases]}))
     return 0
 
 

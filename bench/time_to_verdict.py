@@ -29,11 +29,23 @@ With --urgent, each run is followed by one of `diagnose --urgent` (above the ser
 priority: in a session of its own with autogroup nice -10 where autogroup applies), and
 the two medians are printed side by side: how much of the default's wall time is the
 host's scheduling rather than wedgectl's work.
+
+The engine's own report, on and off. Every repro runs the wedge_engine plugin's report
+(WEDGE_ENGINE_REPORT=1: the repro's default, `wedgectl.lab.repro.repro_env`), so the figures
+above are the report's. For each hang config (an expected verdict other than idle or
+progressing), the same config is then reproduced again with the report off
+(WEDGE_ENGINE_REPORT=0; the fault still applies) and diagnosed RUNS times the same way (cold
+runs only), one server after the other so neither side's server loads the other's: the
+table prints both medians and their ratio (`report_median_s`, `report_off_median_s`,
+`report_over_off`, `report_off_verdicts`, `report_off_right` in --json). The goal for the
+report side (issue 37): median <= 1.0 s for admission-wedge, engine-deadlock, shutdown-hang
+and starved. With --no-report-off the second server is not started.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -53,6 +65,10 @@ NAMES = ["idle", "healthy", "healthy-loaded", "admission-wedge", "engine-deadloc
 GOAL_S = {"idle": 2.0, "admission-wedge": 2.0, "engine-deadlock": 2.0, "shutdown-hang": 2.0,
           "healthy": 3.0, "starved": 3.0, "healthy-loaded": 5.0}
 GOAL_CPU_S = 0.5
+# With the engine's own report on (issue 37): the hang classes, decided from its first reading.
+REPORT_GOAL_S = {"admission-wedge": 1.0, "engine-deadlock": 1.0, "shutdown-hang": 1.0, "starved": 1.0}
+HEALTHY_VERDICTS = ("idle", "progressing")
+REPORT_OFF = {"WEDGE_ENGINE_REPORT": "0"}
 
 
 def _run_delays(pid: int, seen: dict[int, float]) -> None:
@@ -179,6 +195,23 @@ def kill_session(pid: int) -> None:
         time.sleep(0.2)
 
 
+def report_off_side(name: str, runs: int, out: Path, extra: tuple[str, ...] = ()) -> dict:
+    """The same config reproduced with the engine's report off (WEDGE_ENGINE_REPORT=0 over the repro's
+    default, as tests/integration/test_unprivileged.py runs it), diagnosed `runs` times cold: the
+    report_off_ keys of its row."""
+    cfg = find_config(name)
+    cfg = dataclasses.replace(cfg, env={**cfg.env, **REPORT_OFF})
+    result = run_repro(cfg, out_dir=out / f"{name}-report-off", keep=True, progress=lambda m: None)
+    try:
+        got = [timed_diagnose(result.pid, extra) for _ in range(runs)]
+    finally:
+        kill_session(result.pid)
+    walls, cpus, _, verdicts = zip(*got)
+    return {"report_off_verdicts": list(verdicts), "report_off_median_s": round(statistics.median(walls), 2),
+            "report_off_median_cpu_s": round(statistics.median(cpus), 3),
+            "report_off_right": sum(v == cfg.expected for v in verdicts)}
+
+
 def bench_config(name: str, runs: int, out: Path, extra: tuple[str, ...] = (), urgent: bool = False) -> dict:
     cfg = find_config(name)
     result = run_repro(cfg, out_dir=out / name, keep=True, progress=lambda m: None)
@@ -216,6 +249,17 @@ def bench_config(name: str, runs: int, out: Path, extra: tuple[str, ...] = (), u
                 "urgent_median_s": round(statistics.median(g_walls), 2),
                 "urgent_median_cpu_wait_s": round(statistics.median(g_waits), 2),
                 "urgent_right": sum(v == cfg.expected for v in g_verdicts)}
+    row["report"] = cfg.env.get("WEDGE_ENGINE_REPORT", "1") != "0"  # the repro's default: on
+    row["report_goal_s"] = REPORT_GOAL_S.get(name)
+    return row
+
+
+def with_report_off(row: dict, runs: int, out: Path, extra: tuple[str, ...] = ()) -> dict:
+    """`row` (the report on) with the report-off side beside it and their ratio."""
+    row = row | report_off_side(row["name"], runs, out, extra)
+    row["report_median_s"] = row["median_s"]
+    row["report_over_off"] = (round(row["median_s"] / row["report_off_median_s"], 2)
+                              if row["report_off_median_s"] > 0 else None)
     return row
 
 
@@ -248,6 +292,9 @@ def main() -> int:
     ap.add_argument("--urgent", action="store_true",
                     help="also time `diagnose --urgent` after each run (interleaved), side by side: above the "
                          "server's priority, in a session of its own where autogroup applies (docs/design.md)")
+    ap.add_argument("--no-report-off", action="store_true",
+                    help="skip the second server of each hang config with the engine's report off "
+                         "(WEDGE_ENGINE_REPORT=0); default: diagnosed beside the report's, medians and ratio")
     ap.add_argument("--warm-child", nargs=2, type=int, metavar=("PID", "RUNS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.warm_child:
@@ -258,6 +305,8 @@ def main() -> int:
     rows = []
     for name in args.names:
         row = bench_config(name, args.runs, args.out, extra, args.urgent)
+        if not args.no_report_off and row["expected"] not in HEALTHY_VERDICTS and row["report"]:
+            row = with_report_off(row, args.runs, args.out, extra)
         rows.append(row)
         if args.json:
             print(json.dumps(row), flush=True)
@@ -265,6 +314,9 @@ def main() -> int:
             print(f"{name:<16} expected {row['expected']:<16} verdicts {','.join(row['verdicts']):<50} "
                   f"wall {row['median_s']:5.2f} s  cpu {row['median_cpu_s']:5.2f} s  "
                   f"waited for a cpu {row['median_cpu_wait_s']:5.2f} s", flush=True)
+            if "report_off_median_s" in row:
+                print(f"{'':<16} report off: verdicts {','.join(row['report_off_verdicts'])} "
+                      f"wall {row['report_off_median_s']:5.2f} s", flush=True)
             if "urgent_median_s" in row:
                 print(f"{'':<16} --urgent: verdicts {','.join(row['urgent_verdicts'])} "
                       f"wall {row['urgent_median_s']:5.2f} s  "
@@ -272,7 +324,7 @@ def main() -> int:
                       flush=True)
     cores = psutil.cpu_count() or 1
     if args.json:
-        print(json.dumps({"goals": {"median_s": GOAL_S, "median_cpu_s": GOAL_CPU_S},
+        print(json.dumps({"goals": {"median_s": GOAL_S, "median_cpu_s": GOAL_CPU_S, "report_median_s": REPORT_GOAL_S},
                           "cores": cores, "load_avg_end": round(psutil.getloadavg()[0], 1),
                           "autogroup": autogroup_on()}))
         return 0
@@ -289,6 +341,19 @@ def main() -> int:
               f"{r['load_avg']:.1f} on {cores} cores")
     print("warm: the same diagnose, run after each cold one in one process that imported wedgectl once (what "
           "`wedgectl watch`'s onset capture pays); the one-shot CPU less the warm CPU is the start-up's share")
+    compared = [r for r in rows if "report_off_median_s" in r]
+    if compared:
+        print()
+        print("the engine's own report: on (WEDGE_ENGINE_REPORT=1, the repro's default; the rows above) beside off "
+              "(=0), one server after the other:")
+        print(f"{'config':<16} {'report s':>9} {'goal s':>7} {'right':>6}  {'off s':>7} {'right':>6}  "
+              f"{'report/off':>10}")
+        for r in compared:
+            goal = f"{r['report_goal_s']:.1f}" if r["report_goal_s"] is not None else "-"
+            ratio = r["report_over_off"]
+            print(f"{r['name']:<16} {r['report_median_s']:>9.2f} {goal:>7} {r['right']:>3}/{r['runs']:<2}  "
+                  f"{r['report_off_median_s']:>7.2f} {r['report_off_right']:>3}/{r['runs']:<2}  "
+                  f"{ratio if ratio is not None else float('nan'):>10.2f}")
     if args.urgent:
         print()
         print("diagnose --urgent, each run right after one of the above (autogroup "

@@ -31,6 +31,17 @@ def kill_tree(proc: subprocess.Popen) -> None:
     psutil.wait_procs(kids, timeout=5)
 
 
+def stop_gracefully(proc: subprocess.Popen, timeout: float = 20) -> int | None:
+    """SIGTERM `proc` and wait for it: its exit code, or None (then SIGKILLed) when it outlived `timeout`."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+        return None
+
+
 def kill_group(pid: int, wait_s: float = 10.0) -> None:
     """SIGKILL the process group a repro's server leads (started in a session of its own, it holds the
     EngineCore, the Workers and the resource tracker), reap the leader if it is ours, and wait until the group

@@ -1,9 +1,9 @@
-"""Engine reports for unit tests, built from the contract (/work/drafts/engine-report-schema.md, schema 1).
+"""Engine reports for unit tests.
 
-The house rule is that fakes are data recorded from real runs. The plugin's writer does not exist yet,
-so these follow the schema's own example field by field; once the writer lands, record a real report
-of each state (serving, a model-stage deadlock, an admission wedge, shutting_down, starting) and build
-from those instead (the tests that use `schema_report` are the ones to swap).
+The house rule is that fakes are data recorded from real runs: `reading` builds on a real EngineCore report
+(a vLLM 0.32 repro's, recorded as nobody: tests/fixtures/bundles/unprivileged/), with the fields a test is
+about put in its place. `schema_report` is the contract's own example (docs/bundle.md), for the reader's
+tests of the schema itself.
 """
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ import json
 from dataclasses import replace
 from typing import Any
 
+from pathlib import Path
+
 from wedgectl.model.engine import EngineReading, EngineReport
 from wedgectl.model.types import Bundle
+from wedgectl.store.bundle import read_bundle
 
 # The schema's example, as written in the contract (comments dropped).
 SCHEMA_EXAMPLE: dict[str, Any] = {
@@ -59,9 +62,29 @@ def report_bytes(**over: Any) -> bytes:
     return json.dumps(schema_report(**over)).encode()
 
 
+def _recorded_engine_core() -> dict[str, Any]:
+    """A real EngineCore report: the one a `repro leaked-capacity` server (vLLM 0.32) wrote, as read by nobody
+    (tests/fixtures/bundles/unprivileged/leaked-capacity.tar.gz), without its stacks and history."""
+    bundle = read_bundle(Path(__file__).parent / "fixtures" / "bundles" / "unprivileged" / "leaked-capacity.tar.gz")
+    found = next(r.report for s in reversed(bundle.samples) for r in s.engine
+                 if r.report is not None and r.report.role == "engine_core")
+    return {**found.to_dict(), "stacks": None, "history": None}  # a test gives the state its own history
+
+
+RECORDED_ENGINE_CORE: dict[str, Any] = _recorded_engine_core()
+
+
+def recorded_report(**over: Any) -> dict[str, Any]:
+    """The recorded EngineCore report with top-level keys replaced (a dict value replaces the whole key)."""
+    out = copy.deepcopy(RECORDED_ENGINE_CORE)
+    out.update(over)
+    return out
+
+
 def reading(pid: int, t: float, age_s: float = 0.3, stage_age_s: float | None = None, **over: Any) -> EngineReading:
-    """A reading of pid's report at unix time t, as the collector would have made it."""
-    report = EngineReport.from_dict(schema_report(pid=pid, **over))
+    """A reading of pid's report at unix time t, as the collector would have made it: the recorded EngineCore
+    report, with what the test says in its place."""
+    report = EngineReport.from_dict(recorded_report(pid=pid, **over))
     assert report is not None
     return EngineReading(pid, t, f"/tmp/wedge-engine-reports-0/wedge-engine-{pid}.report.json", report, None,
                          age_s, stage_age_s)

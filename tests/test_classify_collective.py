@@ -194,3 +194,84 @@ def test_recorded_native_frames_name_shm_allreduce():
 def test_single_worker_deadlock_is_not_a_collective_hang():
     v = classify(load("engine-deadlock"))
     assert v.verdict is VerdictKind.ENGINE_DEADLOCK
+
+
+# --- the ranks' own reports: their steps and last collective ----------------------------------------------
+
+def _rank(tp: int, steps: int | None, collective: dict | None) -> dict:
+    return {"tp": tp, "pp": 0, "dp": 0, "world_size": 2, "steps": steps, "collective": collective}
+
+
+def _coll(op: str, seq: int, since_s_before_write: float, inside: bool) -> dict:
+    written = 100_000_000_000
+    return {"op": op, "group": "tp", "seq": seq, "since_mono_ns": written - int(since_s_before_write * 1e9),
+            "inside": inside}
+
+
+def with_rank_reports(b: Bundle, rank0: dict, rank1: dict) -> Bundle:
+    """The recorded hang with each Worker's report at every sample (built from the schema, engine_reports.py)."""
+    from engine_reports import reading, with_readings
+
+    views = rank_views(Facts(b))
+    by_pid = {views[0].pid: rank0, views[1].pid: rank1}
+    stage = {"name": "execute_model", "since_mono_ns": 90_000_000_000, "phase": None}
+    return with_readings(b, lambda i, s: tuple(
+        reading(pid, s.t, 0.4, 10.0, role="worker", stage=stage, steps=None, model_steps=None, scheduler=None,
+                requests=[], requests_total=None, written_mono_ns=100_000_000_000, rank=rank)
+        for pid, rank in by_pid.items()))
+
+
+def _engine_lines(v) -> list[str]:
+    return [e.what for e in v.evidence if e.source == "engine"]
+
+
+def test_the_ranks_reports_name_the_rank_that_never_entered_the_collective():
+    """Eager mode, as the repro with --enforce-eager showed on vLLM 0.32 (CPU): rank 0's report said it was inside
+    all_reduce #19 on tp; rank 1's last, the previous step's all_gather #18, had returned; 4 steps each."""
+    b = load("collective-hang")
+    plain = classify(b)
+    v = classify(with_rank_reports(b, _rank(0, 4, _coll("all_reduce", 19, 12.0, True)),
+                                   _rank(1, 4, _coll("all_gather", 18, 12.5, False))))
+    assert (v.verdict, v.rule, v.confidence) == (plain.verdict, plain.rule, plain.confidence)
+    assert v.facts["lagging_ranks"] == plain.facts["lagging_ranks"] == [1]
+    lines = _engine_lines(v)
+    tp0, tp1 = rank_views(Facts(b))
+    assert lines[0] == f"rank TP0 (Worker pid {tp0.pid}) by its own report: 4 steps; inside all_reduce #19 on tp for 12 s"
+    assert lines[1] == (f"rank TP1 (Worker pid {tp1.pid}) by its own report: 4 steps; last collective all_gather #18 "
+                        "on tp, returned 13 s ago")
+    assert lines[2] == ("the ranks' reports: TP0 wait(s) inside all_reduce #19 on tp; TP1 never entered it (TP1's last, "
+                        "all_gather #18 on tp, returned): the rank that never arrived")
+    together = next(e for e in v.evidence if e.what == lines[2])
+    assert together.values["never_entered"] == ["TP1"] and together.values["seq"] == 19
+    first = next(e for e in v.evidence if e.what == lines[0])
+    assert first.values["inside"] is True and first.values["collective_s"] == 12.4  # 12 s + the report's age
+
+
+def test_in_compiled_mode_the_ranks_reports_agree_and_say_the_collective_is_out_of_sight():
+    """What the repro (compiled, vLLM 0.32 on CPU) showed: the all-reduce is inlined into the graph, so both ranks'
+    last recorded collective was the previous step's all_gather #4, returned, and both were in their 4th step."""
+    b = load("collective-hang")
+    gather = _coll("all_gather", 4, 9.0, False)
+    v = classify(with_rank_reports(b, _rank(0, 4, gather), _rank(1, 4, gather)))
+    assert v.verdict is VerdictKind.COLLECTIVE_HANG and v.facts["lagging_ranks"] == [1]
+    lines = _engine_lines(v)
+    assert len(lines) == 3 and "last collective all_gather #4 on tp, returned 9.4 s ago" in lines[0]
+    assert lines[2].startswith("the ranks' reports agree: every rank in the same step")
+
+
+def test_a_rank_a_step_behind_is_named_by_its_steps():
+    b = load("collective-hang")
+    v = classify(with_rank_reports(b, _rank(0, 5, _coll("all_gather", 38, 1.0, False)),
+                                   _rank(1, 4, _coll("all_gather", 37, 2.0, False))))
+    assert "TP1 behind in its steps (TP0 5, TP1 4)" in _engine_lines(v)[-1]
+
+
+def test_reports_without_the_ranks_own_parts_add_nothing():
+    """A writer from before the collectives: the rank part only; and a since from after the write."""
+    b = load("collective-hang")
+    old = {"tp": 0, "pp": 0, "dp": 0, "world_size": 2}
+    assert _engine_lines(classify(with_rank_reports(b, old, {**old, "tp": 1}))) == []
+    ahead = {"op": "barrier", "group": "tp", "seq": 3, "since_mono_ns": 200_000_000_000, "inside": True}
+    lines = _engine_lines(classify(with_rank_reports(b, _rank(0, None, ahead), _rank(1, None, None))))
+    assert lines[0].endswith("steps not counted; inside barrier #3 on tp")  # no duration from a bad clock
+    assert lines[1].endswith("steps not counted; no collective recorded")

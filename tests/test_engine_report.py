@@ -275,6 +275,35 @@ def test_reporter_survives_a_failing_collect_and_says_so_once(caplog):
     assert len(records(caplog, logging.WARNING)) == 1
 
 
+def test_reporter_carries_the_last_writes_steps_oldest_first():
+    counts = {"steps": 0, "model_steps": 0}
+    rep = report.Reporter("engine", None, report.Stage("scheduling"), lambda: dict(counts))
+    s = int(1e9)
+    got = []
+    for i in range(1, 8):
+        counts.update(steps=100 * i, model_steps=10 * i)
+        got.append(rep.build(now_ns=i * s))
+    assert got[0]["history"] == [[s, 100, 10]]  # the first write: itself
+    last = got[-1]["history"]
+    assert len(last) == report.HISTORY == 5
+    assert last == [[i * s, 100 * i, 10 * i] for i in range(3, 8)]  # the newest five, this write last
+    assert last[-1] == [got[-1]["written_mono_ns"], got[-1]["steps"], got[-1]["model_steps"]]
+    json.dumps(got[-1], allow_nan=False)  # plain JSON, as encode_bounded writes it
+    # collect may not plant one of its own
+    assert report.Reporter("engine", None, report.Stage("idle"), lambda: {"history": [[1, 2, 3]]}).build()[
+        "history"] is None
+
+
+def test_reporter_has_no_history_where_no_steps_are_counted():
+    worker = report.Reporter("worker", None, report.Stage("idle"), lambda: {"rank": None})
+    assert worker.build()["history"] is None and worker.build()["history"] is None
+    counts = {"steps": 5, "model_steps": 5}
+    engine = report.Reporter("engine", None, report.Stage("idle"), lambda: dict(counts))
+    engine.build(now_ns=1)
+    counts["steps"] = None  # a reading that failed: the history so far, without this write
+    assert engine.build(now_ns=2)["history"] == [[1, 5, 5]]
+
+
 # --- the writer thread ----------------------------------------------------------------------------
 
 
@@ -608,14 +637,26 @@ FAKE_TREE = {
     """,
     "vllm/distributed/__init__.py": "",
     "vllm/distributed/parallel_state.py": """
-        class Group:
-            def __init__(self, rank, size):
-                self.rank_in_group, self.world_size = rank, size
+        class GroupCoordinator:  # vLLM's, with some of its collectives (older releases lack some)
+            def __init__(self, rank, size, name):
+                self.rank_in_group, self.world_size, self.unique_name = rank, size, name
 
-        _TP = Group(1, 2)
-        _PP = Group(0, 1)
+            def all_reduce(self, input_):
+                return self._all_reduce_out_place(input_)
+
+            def _all_reduce_out_place(self, input_):
+                return input_ * 2
+
+            def recv_tensor_dict(self, src=None):
+                raise RuntimeError("peer gone")
+
+            def barrier(self):
+                pass
+
+        _TP = GroupCoordinator(1, 2, "tp:0")
+        _PP = GroupCoordinator(0, 1, "pp:0")
         _DP = None
-        _WORLD = Group(1, 2)
+        _WORLD = GroupCoordinator(1, 2, "world:0")
     """,
 }
 
@@ -695,6 +736,7 @@ def test_engine_stages_and_scheduler_on_stand_ins(fake_vllm, tmp_path, monkeypat
     got = _read(report_fix._writer.path)
     assert got["role"] == "engine_core" and got["vllm"] == "9.9.9" and got["stage"]["name"] == "update_output"
     assert (got["steps"], got["model_steps"]) == (1, 1) and got["last_model_step_mono_ns"] > 0
+    assert got["history"][-1] == [got["written_mono_ns"], 1, 1]  # this write last, the thread's before it
     assert got["scheduler"]["running"] == 1 and got["scheduler"]["waiting"] == 1
     assert got["scheduler"]["waiting_by_reason"] == {}  # no skipped/deferred queue on this stand-in
     assert [(r["id"], r["state"], r["blocks_needed"]) for r in got["requests"]] == [("a", "running", 2),
@@ -729,7 +771,125 @@ def test_worker_stages_and_rank_on_stand_ins(fake_vllm):
                       ("execute_model", None)]
     assert report_fix._writer.write_once()
     got = _read(report_fix._writer.path)
-    assert got["role"] == "worker" and got["rank"] == {"tp": 1, "pp": 0, "dp": 0, "world_size": 2}
+    assert got["role"] == "worker" and got["rank"] == {"tp": 1, "pp": 0, "dp": 0, "world_size": 2, "steps": 1,
+                                                       "collective": None}
     assert got["scheduler"] is None and got["steps"] is None
     wrapper.shutdown()
     assert report_fix.stage.current[0] == "shutting_down"
+
+
+# --- a Worker rank's steps and last collective ---------------------------------------------------------
+
+
+def test_worker_reports_its_steps_and_last_collective_on_stand_ins(fake_vllm, monkeypatch):
+    from wedge_engine import collectives
+
+    clock = iter(range(1000, 10**6, 1000))
+    monkeypatch.setattr(collectives, "_now_ns", lambda: next(clock))
+    what = report_fix.activate(settings_from({"WEDGE_ENGINE_FIXES": "all"}), "worker")
+    assert what and "GroupCoordinator collectives (4)" in what  # those the stand-in has, and no more
+    from vllm.distributed import parallel_state as ps
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    class Worker:
+        def execute_model(self, scheduler_output):
+            return "ran"
+
+    wrapper = WorkerWrapperBase(Worker())
+    for _ in range(3):
+        wrapper.execute_model("s")
+    seen = []
+
+    class Peek:  # the tensor the all-reduce works on: what the report says while the rank is inside
+        def __mul__(self, k):
+            seen.append(report_fix.worker_fields()["rank"])
+            return self
+
+    peek = Peek()
+    assert ps._TP.all_reduce(peek) is peek  # the inner _all_reduce_out_place is the outer one's
+    inside = seen[0]
+    assert inside["steps"] == 3
+    assert inside["collective"] == {"op": "all_reduce", "group": "tp", "seq": 1, "since_mono_ns": 1000,
+                                    "inside": True}
+    rank = report_fix.worker_fields()["rank"]
+    assert rank["collective"] == {"op": "all_reduce", "group": "tp", "seq": 1, "since_mono_ns": 2000,
+                                  "inside": False}  # since it returned
+    ps._PP.barrier()  # a group of one: vLLM returns at once, nothing to record
+    assert report_fix.worker_fields()["rank"]["collective"]["seq"] == 1
+    ps._WORLD.barrier()
+    with pytest.raises(RuntimeError, match="peer gone"):  # vLLM's own error, passed through unchanged
+        ps._TP.recv_tensor_dict()
+    assert report_fix.worker_fields()["rank"]["collective"] == {
+        "op": "recv_tensor_dict", "group": "tp", "seq": 3, "since_mono_ns": 6000, "inside": False}
+    assert report_fix._writer.write_once()
+    got = _read(report_fix._writer.path)["rank"]
+    assert (got["tp"], got["steps"], got["collective"]["op"], got["collective"]["seq"]) == (1, 3, "recv_tensor_dict", 3)
+
+
+def test_no_collectives_where_the_release_has_no_group_coordinator(fake_vllm, monkeypatch):
+    from vllm.distributed import parallel_state as ps
+
+    monkeypatch.delattr(ps, "GroupCoordinator")
+    assert report_fix._install_collectives() == []
+    assert report_fix.worker_fields()["rank"]["collective"] is None
+
+
+def _coordinator(record, compiling=lambda: False, **attrs):
+    from wedge_engine import collectives
+
+    class Coordinator:
+        world_size = 2
+        unique_name = "tp:3"
+
+        def all_gather(self, input_, dim=-1):
+            return (input_, dim, record.last)
+
+    for name, value in attrs.items():
+        setattr(Coordinator, name, value)
+    Coordinator.all_gather = collectives.recording("all_gather", record, compiling)(Coordinator.all_gather)
+    return Coordinator()
+
+
+def test_recording_wrapper_keeps_vllms_call_and_says_inside_then_returned():
+    from wedge_engine import collectives
+
+    record = collectives.RankRecord()
+    value, dim, during = _coordinator(record).all_gather("x", dim=0)
+    assert (value, dim) == ("x", 0)
+    assert during[:3] == ("all_gather", "tp:3", 1) and during[4] is True
+    snap = record.snapshot()["collective"]
+    assert (snap["op"], snap["group"], snap["seq"], snap["inside"]) == ("all_gather", "tp", 1, False)
+    assert snap["since_mono_ns"] >= during[3] and record.depth == 0
+
+
+def test_recording_steps_aside_while_dynamo_traces_and_for_odd_coordinators():
+    from wedge_engine import collectives
+
+    record = collectives.RankRecord()
+    assert _coordinator(record, compiling=lambda: True).all_gather("x")[2] is None
+    assert record.snapshot() == {"steps": 0, "collective": None}
+
+    def broken(self):
+        raise OSError("no")
+
+    odd = _coordinator(record, world_size=property(broken))
+    assert odd.all_gather("x")[0] == "x" and record.last is None  # never raises into vLLM, records nothing
+    long_name = _coordinator(record, unique_name="g" * 500 + ":0", world_size=4)
+    long_name.all_gather("x")
+    assert record.snapshot()["collective"]["group"] == "g" * collectives.MAX_NAME
+    nameless = _coordinator(record, unique_name=None)
+    nameless.all_gather("x")
+    assert record.snapshot()["collective"]["group"] is None
+
+
+def test_recording_is_cheap():
+    from wedge_engine import collectives
+
+    record = collectives.RankRecord()
+    c = _coordinator(record)
+    n = 20_000
+    start = time.perf_counter()
+    for _ in range(n):
+        c.all_gather(1)
+    per_call_us = (time.perf_counter() - start) / n * 1e6
+    assert per_call_us < 20.0, per_call_us  # ~1 us here with the call it wraps; a collective takes tens at least

@@ -1,8 +1,9 @@
-"""The engine report in the classifier and the bundle: recorded captures with a report added, built from the schema.
+"""The engine report in the classifier and the bundle: recorded captures with a report of a chosen state added.
 
-Each capture below is a real one (tests/fixtures/bundles/); the engine readings put on its samples are
-built from the contract's example (tests/engine_reports.py), since the writer does not exist yet. Once
-it does, record a report of each state and swap it in (the module docstring of engine_reports.py).
+Each capture below is a real one (tests/fixtures/bundles/); the engine readings put on its samples are a real
+EngineCore report (recorded from a vLLM 0.32 repro: tests/engine_reports.py) with the state a test is about
+(a stage and its age, the scheduler's counts, the requests) put in its place. The reports of whole real
+captures, as nobody recorded them, are test_engine_report_recorded.py's.
 """
 
 from __future__ import annotations
@@ -117,6 +118,62 @@ def test_one_report_cannot_show_the_engine_stepping():
     b = wedged(load("admission-wedge"))
     v = classify(replace(b, samples=b.samples[:1]))
     assert v.rule != "live_engine_report_wedge"
+
+
+def with_history(b: Bundle, history: list[list[int]], as_written: bool = False) -> Bundle:
+    """b with each report carrying `history` (the writer's last writes); `as_written`: each report's own
+    write and step count made the history's last entry's, as the writer's are."""
+    def carry(rep):
+        rep = replace(rep, history=tuple(tuple(e) for e in history))
+        return replace(rep, written_mono_ns=history[-1][0], steps=history[-1][1]) if as_written else rep
+
+    return replace(b, samples=tuple(replace(s, engine=tuple(
+        replace(r, report=carry(r.report)) if r.report else r for r in s.engine)) for s in b.samples))
+
+
+def test_one_report_with_its_history_decides_a_wedge():
+    b = wedged(load("admission-wedge"))
+    one = with_history(replace(b, samples=b.samples[:1]),
+                       [[10**9 * k, 1000 * k, 0] for k in range(6, 11)], as_written=True)  # one a second, rising
+    assert Facts(one).engine_report_steps == (6000, 10000, 4.0)
+    v = classify(one)
+    assert (v.verdict, v.rule) == (VerdictKind.ADMISSION_WEDGE, "live_engine_report_wedge")
+    assert v.confidence >= 0.9  # certain: the capture stops on it (capture.policy.decided_by_the_report)
+    assert "stepped 4000 times in 4.0 s" in v.evidence[1].what
+
+
+def test_a_history_that_does_not_rise_decides_no_wedge():
+    b = wedged(load("admission-wedge"))
+    flat = with_history(replace(b, samples=b.samples[:1]), [[10**9 * k, 1000, 0] for k in range(6, 11)],
+                        as_written=True)
+    assert Facts(flat).engine_report_steps == (1000, 1000, 4.0)
+    assert classify(flat).rule != "live_engine_report_wedge"
+
+
+def test_the_history_counts_where_it_spans_longer_than_the_window():
+    b = wedged(load("admission-wedge"))  # steps 1000 to 6000, written 1 s apart: 5 s over the window
+    short = with_history(b, [[10**9 * 5, 5000, 0], [10**9 * 6, 6000, 0]])
+    assert Facts(short).engine_report_steps == (1000, 6000, 5.0)  # the window spans longer
+    long = with_history(b, [[10**9 * k, 1000 * k, 0] for k in range(7)])
+    assert Facts(long).engine_report_steps == (0, 6000, 6.0)  # the last report's history spans longer
+    assert classify(long).rule == classify(b).rule == "live_engine_report_wedge"
+
+
+def test_a_deadlock_reads_only_the_history_of_its_stage():
+    b = load("engine-deadlock")
+    pid, t = pid_of(b, Role.ENGINE_CORE), b.samples[0].t
+    stuck = {**STUCK, "since_mono_ns": 10**9 * 10}
+    one = with_readings(replace(b, samples=b.samples[:1]), lambda i, s: (reading(
+        pid, t, 0.3, 3.0, stage=stuck, steps=500, written_mono_ns=10**9 * 13, scheduler=RUNNING, requests=HELD,
+        requests_total=1),))
+    # stepping until the stage began 3 s ago, then nothing: the steps before it are what led into it
+    one = with_history(one, [[10**9 * 9, 400, 400], [10**9 * 10, 500, 500], [10**9 * 11, 500, 500],
+                             [10**9 * 12, 500, 500], [10**9 * 13, 500, 500]])
+    v = classify(one)
+    assert (v.verdict, v.rule) == (VerdictKind.ENGINE_DEADLOCK, "live_engine_report_deadlock")
+    # steps that rose within the stage: the engine stepped, whatever its stage says
+    rising = with_history(one, [[10**9 * 11, 500, 500], [10**9 * 12, 600, 600], [10**9 * 13, 700, 700]])
+    assert classify(rising).rule != "live_engine_report_deadlock"
 
 
 # --- shutdown and start-up ------------------------------------------------------------------------------

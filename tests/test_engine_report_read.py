@@ -78,6 +78,96 @@ def test_wrong_types_are_dropped_not_fatal():
     assert got.stacks is not None and len(got.stacks.threads) == 1 and got.stacks.threads[0].frames[0].line is None
 
 
+HISTORY = [[119, 1000, 990], [120, 1100, 1080], [121, 1150, 1100], [122, 1200, 1150], [123, 1234, 1200]]
+
+
+def test_the_history_reads_whole_and_back():
+    report = parse_report(report_bytes(history=HISTORY))
+    assert isinstance(report, EngineReport)
+    assert report.history == tuple(tuple(e) for e in HISTORY)
+    assert report.step_history == ((119, 1000), (120, 1100), (121, 1150), (122, 1200), (123, 1234))
+    assert report.to_dict()["history"] == HISTORY  # the schema's lists, as written
+
+
+def test_a_report_without_history_reads_as_before():
+    report = parse_report(report_bytes())
+    assert isinstance(report, EngineReport) and report.history == () and report.step_history == ()
+    assert "history" not in report.to_dict()  # the report as it was written: the field is optional
+    assert parse_report(report_bytes(history=None)) == report
+
+
+@pytest.mark.parametrize("history", [
+    "x", 7, {"0": [1, 2, 3]}, [None], ["1,2,3"], [[1, 2]], [[1, 2, 3, 4]], [[1, "2", 3]], [[1, 2.5, 3]],
+    [[True, 2, 3]], [[-1, 2, 3]], [[1, 2, None]], [[2**63, 2, 3]], [{"written_mono_ns": 1, "steps": 2}],
+])
+def test_a_history_of_the_wrong_shape_is_dropped(history):
+    report = parse_report(report_bytes(history=history))
+    assert isinstance(report, EngineReport) and report.history == () and report.step_history == ()
+    assert report.steps == 1234  # the rest of the report stands
+
+
+def test_the_history_keeps_its_newest_entries_and_drops_the_bad_ones():
+    long = [[i, 10 * i, i] for i in range(1, 1001)]
+    report = parse_report(report_bytes(written_mono_ns=5000, history=long))
+    assert isinstance(report, EngineReport)
+    assert len(report.history) == B.ENGINE_REPORT_MAX_HISTORY
+    assert report.history[0] == (993, 9930, 993) and report.history[-1] == (1000, 10000, 1000)
+    mixed = parse_report(report_bytes(history=[[110, 5, 5], "junk", [111, 6], [112, 7, 7]]))
+    assert isinstance(mixed, EngineReport) and mixed.history == ((110, 5, 5), (112, 7, 7))
+
+
+def test_step_history_orders_and_bounds_what_a_bundle_holds():
+    # a bundle's report is built without from_dict: step_history checks its entries again
+    report = EngineReport(1, 1234, 5, written_mono_ns=100, steps=9,
+                          history=((90, 1, 1), (95,), (80, 2, 2), (96, -3, 3), (97, 4, 4), (150, 9, 9)))
+    assert report.step_history == ((90, 1), (97, 4))  # one short, one out of order, a negative, one from the future
+
+
+WORKER_RANK = {"tp": 1, "pp": 0, "dp": 0, "world_size": 2, "steps": 41,
+               "collective": {"op": "all_reduce", "group": "tp", "seq": 40, "since_mono_ns": 90, "inside": True}}
+
+
+def test_a_ranks_steps_and_last_collective_read_whole_and_back():
+    d = schema_report(role="worker", rank=WORKER_RANK)
+    got = parse_report(json.dumps(d).encode())
+    assert isinstance(got, EngineReport) and got.rank is not None and got.rank.collective is not None
+    assert (got.rank.tp, got.rank.steps) == (1, 41)
+    c = got.rank.collective
+    assert (c.op, c.group, c.seq, c.since_mono_ns, c.inside) == ("all_reduce", "tp", 40, 90, True)
+    assert got.to_dict()["rank"] == WORKER_RANK
+
+
+def test_a_rank_without_steps_or_collective_reads_as_before():
+    old = {"tp": 0, "pp": 0, "dp": 0, "world_size": 2}
+    d = schema_report(role="worker", rank=old)
+    got = parse_report(json.dumps(d).encode())
+    assert isinstance(got, EngineReport) and got.rank is not None
+    assert (got.rank.steps, got.rank.collective) == (None, None)
+    assert got.to_dict()["rank"] == old  # no keys the writer did not write
+
+
+@pytest.mark.parametrize("collective", [
+    "all_reduce", 7, [], None, {}, {"op": ""}, {"op": 5, "group": "tp"}, {"group": "tp", "seq": 1},
+])
+def test_a_collective_without_an_op_is_dropped_and_the_rank_kept(collective):
+    got = parse_report(report_bytes(role="worker", rank={**WORKER_RANK, "collective": collective}))
+    assert isinstance(got, EngineReport) and got.rank is not None
+    assert got.rank.collective is None and got.rank.tp == 1 and got.rank.steps == 41
+
+
+def test_a_collectives_wrong_types_are_dropped_and_its_names_cut():
+    got = parse_report(report_bytes(role="worker", rank={
+        "tp": 0, "steps": -3, "collective": {"op": "x" * 5000, "group": ["tp"], "seq": 1.5,
+                                             "since_mono_ns": 2 ** 64, "inside": "yes"}}))
+    assert isinstance(got, EngineReport) and got.rank is not None and got.rank.collective is not None
+    c = got.rank.collective
+    assert got.rank.steps is None and c.op == "x" * B.ENGINE_REPORT_MAX_NAME
+    assert (c.group, c.seq, c.since_mono_ns, c.inside) == (None, None, None, None)
+    got = parse_report(report_bytes(role="worker", rank={"collective": {"op": "barrier", "group": "g" * 500}}))
+    assert isinstance(got, EngineReport) and got.rank is not None and got.rank.collective is not None
+    assert got.rank.collective.group == "g" * B.ENGINE_REPORT_MAX_NAME
+
+
 def test_nan_infinity_and_huge_numbers_read_as_null():
     text = report_bytes(interval_s=0.5).replace(b'"interval_s": 0.5', b'"interval_s": NaN')
     text = text.replace(b'"written_unix": 1733500000.123', b'"written_unix": 1e400')

@@ -651,3 +651,66 @@ def test_a_hang_the_window_ends_on_before_its_burst_gets_the_burst_then(monkeypa
     assert v.verdict is kind, v.summary
     if kind is VerdictKind.COLLECTIVE_HANG:
         assert all(r["stuck"] for r in v.facts["ranks"]), v.facts["ranks"]
+
+
+# --- a certain verdict from the engine's own report: the first sample decides ---------------------------
+
+def _reported_wedge(pid: int, t: float):
+    """The EngineCore's report of an admission wedge: its last five writes' steps rising, nothing running, a
+    waiting request that needs more KV blocks than the pool holds (tests/engine_reports.py's schema)."""
+    from engine_reports import reading
+
+    sched = {"running": 0, "waiting": 1, "waiting_by_reason": {"capacity": 1, "deferred": 0}, "paused": False,
+             "kv_blocks": {"free": 4, "total": 4, "block_size": 32}}
+    req = [{"id": "cmpl-big-0", "state": "waiting", "age_s": 30.0, "prompt_tokens": 6, "output_tokens": 0,
+            "blocks_held": 0, "blocks_needed": 5, "client_connected": True}]
+    s = 10**9
+    return reading(pid, t, 0.2, 0.001, stage={"name": "scheduling", "since_mono_ns": 10 * s, "phase": None},
+                   steps=5000, model_steps=0, written_mono_ns=10 * s, scheduler=sched, requests=req,
+                   requests_total=1, history=[[k * s, 1000 * (k - 5), 0] for k in range(6, 11)])
+
+
+def test_a_certain_verdict_from_the_report_stops_at_the_first_sample():
+    b = load("admission-wedge")
+    pid = next(p.pid for p in b.samples[0].processes if p.role is Role.ENGINE_CORE)
+    first = replace(b, samples=(replace(b.samples[0], engine=(_reported_wedge(pid, b.samples[0].t),)),))
+    v = classify(first)
+    assert (v.verdict, v.rule, v.facts["source"]) == (VerdictKind.ADMISSION_WEDGE, "live_engine_report_wedge", "engine")
+    assert v.confidence >= CERTAIN
+    step = next_step(v, 1, 0.0, SamplerOptions(), False, False, suspect=True)
+    assert step.stop and step.why == "verdict certain from the engine's own report"
+    assert not next_step(v, 1, 0.0, SamplerOptions(min_window_s=2.0), False, False).stop  # --min-window still holds
+    unsure = replace(v, confidence=CERTAIN - 0.05)
+    assert not next_step(unsure, 1, 0.0, SamplerOptions(), False, False).stop
+
+
+def test_a_certain_verdict_from_elsewhere_still_waits_for_a_second_sample():
+    b = load("shutdown-hang")  # a closed listener and the log: certain on one sample, and no report behind it
+    v = classify(replace(b, samples=b.samples[:1]))
+    assert v.verdict is VerdictKind.SHUTDOWN_HANG and v.confidence >= CERTAIN and "source" not in v.facts
+    assert not next_step(v, 1, 0.0, SamplerOptions(), False, False).stop
+
+
+def test_the_window_ends_on_the_reports_certain_verdict_at_once(monkeypatch):
+    """diagnose's window over a wedge whose engine report decides it: one sample, then the stop, with no
+    quick look and no burst bought; the one dump a stepping engine's first sample left out is taken then."""
+    import time
+
+    from wedgectl.capture import bursts, sample
+    from wedgectl.capture.discover import Deployment
+
+    b = load("admission-wedge")
+    procs = b.samples[0].processes
+    core = next(p.pid for p in procs if p.role is Role.ENGINE_CORE)
+    dep = Deployment(root_pid=procs[0].pid, api_pid=procs[0].pid, roles={p.pid: p.role for p in procs},
+                     base_url="http://127.0.0.1:1", metrics_url="http://127.0.0.1:1/metrics")
+    monkeypatch.setattr(sample, "collect_processes", lambda dep, tree=None: (procs, []))
+    monkeypatch.setattr(sample, "read_engine_reports", lambda pids: (_reported_wedge(core, time.time()),))
+    dumps: list[tuple[int, int]] = []
+    monkeypatch.setattr(bursts, "dump_burst", lambda pid, native, n: dumps.append((pid, n)) or [])
+    said: list[str] = []
+    out = run_window(dep, SamplerOptions(window_s=6.0, progress=said.append), RecordedScraper(b))
+    assert len(out.samples) == 1
+    assert classify(out).rule == "live_engine_report_wedge"
+    assert "verdict certain from the engine's own report" in said
+    assert not any(n > 1 for _, n in dumps)  # no burst: the report decided

@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,8 @@ from wedgectl.model.types import MetricsScrape, Role, Sample
 
 BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
 WEDGE = BUNDLES / "admission-wedge.tar.gz"
+# `diagnose` as nobody (no ptrace, no py-spy) against a real admission wedge: the engine report decides
+UNPRIVILEGED_WEDGE = BUNDLES / "unprivileged" / "admission-wedge.tar.gz"
 SIZE = (120, 40)
 
 
@@ -66,6 +69,44 @@ async def test_the_banner_shows_the_verdict_diagnose_gives(name):
         assert expected.summary in banner
         assert f"sample {len(b.samples)}/{len(b.samples)}" in text_of(app.query_one(StatusLine))
         assert expected.evidence[0].what in text_of(app.query_one(EvidenceView))
+
+
+async def drawn_words(pilot, pane) -> str:
+    """Every line the pane draws, scrolled through from its top a pane's height at a time, as one run of words
+    (a line wrapped at a space reads as the text it came from)."""
+    lines: list[str] = []
+    for y in range(0, max(1, pane.virtual_size.height), max(1, pane.size.height)):
+        pane.scroll_to(y=y, animate=False)
+        await pilot.pause()
+        lines += [pane.render_line(row).text for row in range(pane.size.height)]
+    return " ".join(" ".join(lines).split())
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("live", [False, True], ids=["replay", "live"])
+async def test_the_evidence_pane_names_the_request_the_engine_report_says_to_abort(live):
+    """As nobody, with no ptrace: the engine's own report decides the admission wedge, and the evidence
+    pane says what `diagnose` says: the request by id and the blocks it needs against the pool, tagged
+    [engine], and the abort to run."""
+    b = read_bundle(UNPRIVILEGED_WEDGE)
+    expected = classify(b)
+    assert expected.rule == "live_engine_report_wedge"
+    engine = [e for e in expected.evidence if e.source == "engine"]
+    rid, needed, total = (engine[0].values[k] for k in ("request", "blocks_needed", "kv_total"))
+    api = b.manifest.target.pid
+    app = make_app(ScriptedSource(b), refresh_s=0.2) if live else make_app(BundleSource(b, UNPRIVILEGED_WEDGE))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.frame is not None and app.frame.verdict is not None
+                    and app.frame.verdict.rule == "live_engine_report_wedge")
+        if live:  # no more refreshes: past the recording's end its last sample repeats, and ten refreshes
+            app._collect_loop.stop()  # later the first has left the window the verdict rests on
+        await pilot.pause()
+        assert rid in text_of(app.query_one(VerdictBanner))
+        shown = await drawn_words(pilot, app.query_one(EvidenceView))
+    assert f"[engine] request {rid} needs {needed} KV blocks; the pool holds {total} in all" in shown
+    assert "[engine] the engine stepped" in shown
+    assert f"next: Abort request {rid}: `wedgectl remedy --pid {api} --yes`" in shown
+    assert shown.index("[engine] request") < shown.index("next: Abort request")
 
 
 @pytest.mark.asyncio
@@ -239,7 +280,8 @@ class ScriptedSource(LiveSource):
         elif metrics is not None:
             metrics = type(metrics)(**{**metrics.__dict__, "t": metrics.t + shift})
         return Sample(t=s.t + shift, metrics=metrics, processes=s.processes,
-                      stacks=tuple(type(d)(**{**d.__dict__, "t": d.t + shift}) for d in s.stacks) if with_stacks else ())
+                      stacks=tuple(type(d)(**{**d.__dict__, "t": d.t + shift}) for d in s.stacks) if with_stacks else (),
+                      engine=tuple(replace(r, t=r.t + shift) for r in s.engine))  # the report is read every look
 
     def log_tail(self, max_bytes: int) -> tuple[str, ...]:
         return ()

@@ -154,6 +154,44 @@ def test_sidecar_points_liveness_at_livez_and_readiness_at_readyz():
     assert by["wedgectl"]["securityContext"]["readOnlyRootFilesystem"] is True
 
 
+def test_sidecar_runs_without_ptrace_and_reads_the_engine_report_from_a_shared_volume():
+    """The sidecar with the least privilege that still decides a deadlock or an admission wedge: no
+    capability (the engine's report instead of py-spy), another user than the server's, the report's
+    directory given to both containers (the sidecar cannot read the server's environ), on a volume both
+    mount, as a directory of the server's own inside it (an emptyDir is 0777: the writer and the reader
+    refuse a directory others may write)."""
+    pod = _pod(DEPLOY / "kubernetes" / "sidecar-example.yaml", "Deployment")
+    assert pod["shareProcessNamespace"] is True and "hostPID" not in pod
+    by = {c["name"]: c for c in pod["containers"]}
+    server, sidecar = by["vllm"], by["wedgectl"]
+    sc = sidecar["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"]}  # no SYS_PTRACE, nothing added
+    assert not sc.get("privileged") and sc["allowPrivilegeEscalation"] is False
+    assert sc["runAsNonRoot"] is True and sc["runAsUser"] != 0 and sc["readOnlyRootFilesystem"] is True
+    assert "SYS_PTRACE" not in yaml.safe_dump(pod)
+
+    def env(c: dict) -> dict[str, str]:
+        return {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+
+    assert env(server)["WEDGE_ENGINE_REPORT"] == "1" or "WEDGE_ENGINE_FIXES" in env(server)
+    report_dir = env(server)["WEDGE_ENGINE_REPORT_DIR"]
+    assert env(sidecar)["WEDGE_ENGINE_REPORT_DIR"] == report_dir and report_dir.startswith("/")
+
+    def volume_of(c: dict) -> tuple[str, dict]:
+        (m,) = [m for m in c["volumeMounts"] if report_dir.startswith(m["mountPath"].rstrip("/") + "/")]
+        return m["name"], m
+
+    (name, server_mount), (same, sidecar_mount) = volume_of(server), volume_of(sidecar)
+    assert name == same and server_mount["mountPath"] == sidecar_mount["mountPath"]
+    assert report_dir != server_mount["mountPath"].rstrip("/")  # a directory inside the volume, not the volume
+    assert sidecar_mount.get("readOnly") is True and not server_mount.get("readOnly")
+    (volume,) = [v for v in pod["volumes"] if v["name"] == name]
+    assert "emptyDir" in volume
+    # the onset bundles likewise go into a directory watch makes itself inside its volume
+    (bundles,) = [a.split("=", 1)[1] for a in sidecar["args"] if a.startswith("--bundle-dir=")]
+    assert any(bundles.startswith(m["mountPath"].rstrip("/") + "/") for m in sidecar["volumeMounts"])
+
+
 def _watch_options() -> set[str]:
     import typer.main
 

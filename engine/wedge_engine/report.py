@@ -24,7 +24,9 @@ vLLM; a failure is logged once until a write succeeds again. Stacks
 ("idle", "serving") is older than ``STACKS_AFTER_S``, at most once per
 ``STACKS_AFTER_S``, and are kept until the stage changes. Frames are listed
 innermost first (as py-spy prints them); a deeper stack keeps its innermost
-``MAX_FRAMES``.
+``MAX_FRAMES``. A process that counts steps (the engine core) carries its last
+``HISTORY`` writes' ``[written_mono_ns, steps, model_steps]`` (``history``,
+oldest first, this write last), so one read shows whether its steps rise.
 
 Cost: ``Stage.enter`` is one ``monotonic_ns`` and one attribute store of a
 tuple (it runs several times per engine step); the thread wakes once a second
@@ -44,6 +46,7 @@ import stat
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -60,6 +63,7 @@ MAX_THREADS = 64
 MAX_FRAMES = 48
 MAX_STR = 200
 MAX_ID = 128
+HISTORY = 5  # the last writes' (written_mono_ns, steps, model_steps) each report carries; the reader keeps 8
 THREAD_NAME = "wedge-engine-report"
 DIR_MODE = 0o711
 FILE_MODE = 0o644
@@ -235,6 +239,10 @@ def proc_start_ticks(stat_text: str | None = None) -> int | None:
         return None
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def clip(value: Any, limit: int = MAX_STR) -> str:
     """`value` as a string of at most `limit` characters."""
     text = value if isinstance(value, str) else str(value)
@@ -318,6 +326,7 @@ class Reporter:
         self._stacks_stage: tuple | None = None
         self._stacks_taken_ns: int | None = None
         self.collect_failed = False
+        self._history: deque[list[int]] = deque(maxlen=HISTORY)  # [written_mono_ns, steps, model_steps], oldest first
 
     def build(self, now_ns: int | None = None, skip_threads: frozenset[int] = frozenset()) -> dict:
         now = _now_ns() if now_ns is None else now_ns
@@ -330,7 +339,7 @@ class Reporter:
             "interval_s": self.interval_s,
             "stage": {"name": clip(name), "since_mono_ns": since, "phase": clip(phase) if phase else None},
             "steps": None, "model_steps": None, "last_model_step_mono_ns": None, "scheduler": None,
-            "requests_total": None, "requests": [], "rank": None, "stacks": None,
+            "requests_total": None, "clients": None, "requests": [], "rank": None, "stacks": None, "history": None,
         }
         if self.collect is not None:
             try:
@@ -342,9 +351,18 @@ class Reporter:
                 self.collect_failed = True
             else:
                 self.collect_failed = False
-                report.update((k, v) for k, v in fields.items() if k in report and k != "stacks")
+                report.update((k, v) for k, v in fields.items() if k in report and k not in ("stacks", "history"))
+        report["history"] = self._history_with(now, report["steps"], report["model_steps"])
         report["stacks"] = self._stacks_for(current, now, skip_threads)
         return report
+
+    def _history_with(self, now: int, steps: Any, model_steps: Any) -> list[list[int]] | None:
+        """The last HISTORY writes' [written_mono_ns, steps, model_steps], oldest first, this one last: a reader
+        that reads the report once sees the step count rise over seconds. None where the role counts no steps."""
+        if not (_is_count(steps) and _is_count(model_steps)):
+            return list(self._history) or None
+        self._history.append([now, steps, model_steps])
+        return list(self._history)
 
     def _stacks_for(self, current: tuple, now: int, skip_threads: frozenset[int]) -> dict | None:
         """Stacks while the stage is overdue; the same ones until the stage changes, fresh every STACKS_AFTER_S."""

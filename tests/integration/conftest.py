@@ -155,10 +155,11 @@ _KEPT_WEDGE: list[KeptWedge] = []
 class KeptWedge:
     """`wedgectl repro admission-wedge --keep --json`, run once: a real admission wedge that outlives the
     command (its clients held open by a detached `wedgectl.lab._hold`), shared by the tests that only read it
-    (test_repros, test_top_live) and then the one that ends it (test_watch_prometheus)."""
+    (test_repros, test_top_live) and then the one that ends it (test_watch_prometheus). Another repro's name
+    keeps that one the same way (test_unprivileged's engine deadlock)."""
 
-    def __init__(self, python: Path, out: Path) -> None:
-        proc = subprocess.run([sys.executable, "-m", "wedgectl", "repro", "admission-wedge", "--keep", "--json", "-q",
+    def __init__(self, python: Path, out: Path, name: str = "admission-wedge") -> None:
+        proc = subprocess.run([sys.executable, "-m", "wedgectl", "repro", name, "--keep", "--json", "-q",
                                "--python", str(python), "--out", str(out)],
                               capture_output=True, text=True, timeout=480)
         self.confirmed_at = time.time()  # the wedge had begun by then (the repro diagnosed it)
@@ -215,6 +216,17 @@ def admission_wedge(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory)
     finally:
         wedge.stop()
         _KEPT_WEDGE.remove(wedge)
+
+
+@pytest.fixture(scope="module")
+def deadlock_with_report(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeptWedge]:
+    """`wedgectl repro engine-deadlock --keep --json`: a real engine deadlock with the engine's report (on in every
+    repro), its clients held by a detached holder; root's verdict is the command's JSON (test_unprivileged)."""
+    kept = KeptWedge(vllm_python, tmp_path_factory.mktemp("deadlock-report"), "engine-deadlock")
+    try:
+        yield kept
+    finally:
+        kept.stop()
 
 
 @dataclass

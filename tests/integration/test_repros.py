@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from nobody import check_as_nobody
 from wedgectl.store.bundle import read_bundle
 from wedgectl.classify import classify
 from wedgectl.capture.window import summarise as _summarise  # the progress line's summary of a sample
@@ -76,20 +77,26 @@ def test_admission_wedge(admission_wedge):
     assert isinstance(out["pid"], int) and out["url"].startswith("http://127.0.0.1:")
 
 
-def test_engine_deadlock(vllm_python, tmp_path):
-    rc, out = repro("engine-deadlock", tmp_path)
-    assert (out["verdict"], rc) == ("engine_deadlock", 0), evidence_text(out)
-    facts = out["facts"]
-    assert facts["running"] >= 1 and facts["frozen_s"] >= 2
-    assert facts["engine_cores"] <= 0.2  # parked, not spinning
-    assert facts["worker_model_share"] >= 0.9  # every Worker sample inside execute_model
-    text = evidence_text(out)
-    assert "EngineCore main thread: in model execution" in text
-    assert "still listening" in text  # the API process keeps answering /metrics
+# `repro engine-deadlock` end to end runs in test_unprivileged.py (test_engine_deadlock_repro): kept, it serves
+# the unprivileged checks too, so that no server starts twice for it.
+
+
+def stop_kept(name: str) -> None:
+    subprocess.run([sys.executable, "-m", "wedgectl", "repro", "--stop", name], capture_output=True, timeout=120)
 
 
 def test_shutdown_hang(vllm_python, tmp_path):
-    rc, out = repro("shutdown-hang", tmp_path)
+    rc, out = repro("shutdown-hang", tmp_path, "--keep")
+    try:
+        check_shutdown_hang(rc, out)
+        # as nobody: no sockets, no stacks, no log; the API server's own report says it is shutting down and
+        # still tracks the request no EngineCore is left to finish
+        check_as_nobody(out["pid"], out, "stage shutting_down for", "no EngineCore is left to finish them: cmpl-")
+    finally:
+        stop_kept("shutdown-hang")
+
+
+def check_shutdown_hang(rc: int, out: dict) -> None:
     assert (out["verdict"], rc) == ("shutdown_hang", 0), evidence_text(out)
     text = evidence_text(out)
     assert "no listening socket" in text  # listener closed
@@ -103,11 +110,17 @@ def test_shutdown_hang(vllm_python, tmp_path):
 
 
 def test_starved(vllm_python, tmp_path):
-    rc, out = repro("starved", tmp_path)
-    assert (out["verdict"], rc) == ("starved", 0), evidence_text(out)
-    facts = out["facts"]
-    assert facts["tokens_per_s"] > 0 and facts["waiting"] >= 1
-    assert facts["kv_growth_pct_per_min"] > 0 and facts["seconds_to_kv_full"] > 0
+    rc, out = repro("starved", tmp_path, "--keep")
+    try:
+        assert (out["verdict"], rc) == ("starved", 0), evidence_text(out)
+        facts = out["facts"]
+        assert facts["tokens_per_s"] > 0 and facts["waiting"] >= 1
+        assert facts["kv_growth_pct_per_min"] > 0 and facts["seconds_to_kv_full"] > 0
+        # the runaway, by id, from the engine's report: the one running request, holding most of the pool
+        assert len(facts["request_ids"]) == 1 and facts["request_ids"][0] in evidence_text(out)
+        check_as_nobody(out["pid"], out, "stage ", f"request {facts['request_ids'][0]} holds")
+    finally:
+        stop_kept("starved")
 
 
 # The two controls run elsewhere, from the same `repro` command, so that no server starts twice for them:

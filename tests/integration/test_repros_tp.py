@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from cli_run import kill_group
+from nobody import check_as_nobody
 from wedgectl.store.bundle import read_bundle
 from wedgectl.lab.repro import find_config, run_repro
 from wedgectl.model.types import Role, VerdictKind
@@ -62,6 +63,17 @@ def test_collective_hang_names_rank_1(hung_tp2):
     assert ranks["TP0"]["where"] == "inside a collective" and ranks["TP1"]["where"] == "before the collective"
     assert ranks["TP0"]["kind"] == "compiled graph"  # compiled mode: no collective frame in Python
     assert ranks["TP0"]["stuck"] and ranks["TP1"]["stuck"]
+    # The ranks' own reports (on in every repro): each one's steps and last collective, in the bundle and cited.
+    b = read_bundle(hung_tp2.bundle_path)
+    workers = {p.pid for p in b.samples[-1].processes if p.role is Role.WORKER}
+    reports = [r.report for r in b.samples[-1].engine if r.pid in workers and r.report is not None]
+    assert len(reports) == 2 and all(r.rank and r.rank.steps and r.rank.collective for r in reports)
+    cited = {e.values["rank"]: e for e in v.evidence if e.source == "engine" and "rank" in e.values}
+    assert set(cited) == {"TP0", "TP1"} and all(e.values["steps"] and e.values["collective"] for e in cited.values())
+    # Compiled, the all-reduce they wait in is inlined into the graph and runs no Python: both ranks' last recorded
+    # collective is the same one, returned, in the same step, and the reports say the stacks decide.
+    assert not any(e.values["inside"] for e in cited.values())
+    assert any(e.values.get("agree") for e in v.evidence if e.source == "engine")
 
 
 def test_diagnose_from_any_rank_finds_every_rank(hung_tp2):
@@ -83,3 +95,12 @@ def test_native_frames_name_the_collective(hung_tp2):
     assert ranks["TP0"]["native"] and ranks["TP0"]["kind"] == "collective"
     assert "shm_allreduce" in ranks["TP0"]["frame"]
     assert out["facts"]["hang_shape"] == "rank_never_arrived"
+
+
+def test_as_nobody_the_ranks_reports_and_cpu_name_rank_1(hung_tp2):
+    """No ptrace: no stacks of any rank. Each rank's report says it is in its step with no Python collective
+    open (compiled: the one they wait in is inlined), its CPU says which spins in it and which sleeps before."""
+    root = {"verdict": "collective_hang", "confidence": hung_tp2.verdict.confidence}
+    out = check_as_nobody(hung_tp2.pid, root, "stage execute_model_wait for", "requests frozen in the step: cmpl-",
+                          "rank TP0 (Worker pid", "rank TP1 (Worker pid")
+    assert out["facts"]["lagging_ranks"] == [1] and out["facts"]["waiting_ranks"] == [0]

@@ -7,16 +7,27 @@ would decide it."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
+import stat
 import subprocess
-from collections.abc import Iterator
+import tempfile
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
+import httpx
 import pytest
 
-from cli_run import kill_group
-from nobody import as_nobody, nobody_wedgectl
+from cli_run import kill_group, stop_gracefully
+from test_repros import evidence_text
+from nobody import NOBODY, as_nobody, check_as_nobody, diagnose_as_nobody, engine_lines, nobody_wedgectl
+from wedgectl.collect.control import free_port
 from wedgectl.lab.repro import ReproResult, find_config, run_repro
+from wedgectl.model.types import VerdictKind
+from wedgectl.store.bundle import read_bundle
 
 pytestmark = pytest.mark.integration
 
@@ -32,52 +43,47 @@ def _kept_deadlock(python: Path, out: Path, report: bool) -> ReproResult:
     return result
 
 
+def test_engine_deadlock_repro(deadlock_with_report) -> None:
+    """`repro engine-deadlock` as root, end to end: the verdict, and the evidence behind it."""
+    rc, out = deadlock_with_report.rc, deadlock_with_report.out
+    assert (out["verdict"], rc) == ("engine_deadlock", 0), evidence_text(out)
+    facts = out["facts"]
+    assert facts["running"] >= 1 and facts["frozen_s"] >= 2
+    assert facts["engine_cores"] <= 0.2  # parked, not spinning
+    assert facts["worker_model_share"] >= 0.9  # every Worker sample inside execute_model
+    text = evidence_text(out)
+    assert "EngineCore main thread: in model execution" in text
+    assert "still listening" in text  # the API process keeps answering /metrics
+
+
 @pytest.fixture(scope="module")
-def deadlocks(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[bool, ReproResult]]:
-    """Two real engine deadlocks side by side: one with the engine's report, one without."""
-    kept: dict[bool, ReproResult] = {}
+def bare_deadlock(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReproResult]:
+    """A real engine deadlock without the engine's report (WEDGE_ENGINE_REPORT=0): a stock server but for the
+    fault."""
+    bare = None
     try:
-        for report in (True, False):
-            kept[report] = _kept_deadlock(vllm_python, tmp_path_factory.mktemp(f"deadlock-report-{report}"), report)
-        yield kept
+        bare = _kept_deadlock(vllm_python, tmp_path_factory.mktemp("deadlock-report-False"), False)
+        yield bare
     finally:
-        for result in kept.values():
-            kill_group(result.pid)
+        if bare is not None:
+            kill_group(bare.pid)
 
 
-def diagnose_as_nobody(pid: int, *extra: str) -> tuple[int, dict]:
-    python, env = nobody_wedgectl()
-    r = subprocess.run(as_nobody(python, "-m", "wedgectl", "diagnose", "--pid", str(pid), "--json", "--window", "4",
-                                 *extra), env=env, cwd="/", capture_output=True, text=True, timeout=120)
-    assert r.stdout.strip() and "Traceback" not in r.stderr, r.stderr[-3000:]
-    return r.returncode, json.loads(r.stdout)
-
-
-def _engine(out: dict) -> list[str]:
-    return [e["what"] for e in out["evidence"] if e["source"] == "engine"]
-
-
-def test_a_deadlock_as_nobody_is_decided_by_the_engines_report(deadlocks: dict[bool, ReproResult]) -> None:
-    kept = deadlocks[True]
-    rc, out = diagnose_as_nobody(kept.pid)
-    assert (out["verdict"], rc) == ("engine_deadlock", 12), out["summary"]
+def test_a_deadlock_as_nobody_is_decided_by_the_engines_report(deadlock_with_report) -> None:
+    out = check_as_nobody(deadlock_with_report.pid, deadlock_with_report.out, "stage execute_model_wait for",
+                          "requests frozen in the step: cmpl-")
     assert out["rule"] == "live_engine_report_deadlock"  # the report decided, and says so
-    root = kept.verdict
-    assert root is not None and out["confidence"] >= root.confidence  # as sure as root with py-spy, or surer
-    engine = " | ".join(_engine(out))
-    assert "stage execute_model_wait for" in engine and "requests frozen in the step: cmpl-" in engine, engine
     assert "cmpl-" in " ".join(out["advice"])  # the requests it holds, by id
-    stacks = [e["what"] for e in out["evidence"] if e["source"] == "wedgectl"]
-    assert any("no Python stacks" in w for w in stacks), stacks  # py-spy was refused: the report stood alone
 
 
-def test_without_the_report_nobody_is_told_what_would_decide(deadlocks: dict[bool, ReproResult]) -> None:
-    rc, out = diagnose_as_nobody(deadlocks[False].pid)
-    assert _engine(out) == [] and out["rule"] != "live_engine_report_deadlock"
+def test_without_the_report_nobody_is_told_what_would_decide(bare_deadlock: ReproResult,
+                                                             deadlock_with_report) -> None:
+    rc, out = diagnose_as_nobody(bare_deadlock.pid)
+    assert engine_lines(out) == [] and out["rule"] != "live_engine_report_deadlock"
     said = " | ".join(e["what"] for e in out["evidence"] if e["source"] == "wedgectl")
     assert "py-spy was refused ptrace access" in said and "no engine report was read" in said, said
     assert "WEDGE_ENGINE_REPORT=1" in said and "CAP_SYS_PTRACE" in said, said
-    with_report = diagnose_as_nobody(deadlocks[True].pid)[1]
+    with_report = diagnose_as_nobody(deadlock_with_report.pid)[1]
     assert out["confidence"] <= with_report["confidence"]
 
 
@@ -85,7 +91,107 @@ def test_an_admission_wedge_as_nobody_names_the_request(admission_wedge) -> None
     rc, out = diagnose_as_nobody(admission_wedge.pid)
     assert (out["verdict"], rc) == ("admission_wedge", 11), out["summary"]
     assert out["rule"] == "live_engine_report_wedge"
-    engine = _engine(out)
+    engine = engine_lines(out)
     assert engine and engine[0].startswith("request cmpl-") and "KV blocks" in engine[0], engine
     rid = engine[0].split()[1]
     assert rid in out["summary"] and f"Abort request {rid}" in out["advice"][0]
+
+
+T = TypeVar("T")
+
+
+def _wait_for(what: str, probe: Callable[[], T | None], timeout_s: float, alive: Callable[[], bool]) -> T:
+    """probe() until it gives something truthy; an HTTP error (watch not listening yet) is a no."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and alive():
+        try:
+            got = probe()
+        except httpx.HTTPError:
+            got = None
+        if got:
+            return got
+        time.sleep(0.5)
+    raise AssertionError(f"{what}: not within {timeout_s:g} s" + ("" if alive() else " (watch exited)"))
+
+
+def test_watch_as_nobody_serves_the_verdict_the_engines_report_decides(deadlock_with_report,
+                                                                       tmp_path: Path) -> None:
+    """`watch` as a sidecar without ptrace runs it (deploy/kubernetes/sidecar-example.yaml): another user, no
+    capability; its bundles go into a directory of its own inside a volume anyone may write, as an emptyDir
+    is. It decides the deadlock from the report and serves it: /metrics, /readyz, /livez past the grace,
+    /v1/targets with the rule, and the onset bundle."""
+    kept = deadlock_with_report
+    python, env = nobody_wedgectl()
+    port, grace_s = free_port(), 3
+    # in /tmp: nobody may not search root's tmp_path
+    volume = Path(tempfile.mkdtemp(prefix="wedgectl-sidecar-", dir="/tmp"))
+    volume.chmod(0o777)
+    bundles = volume / "wedgectl"
+    out_path, err_path = tmp_path / "watch.out", tmp_path / "watch.err"
+    with out_path.open("wb") as out, err_path.open("wb") as err:
+        watch = subprocess.Popen(
+            as_nobody(python, "-m", "wedgectl", "watch", "--pid", str(kept.pid), "--listen", f"127.0.0.1:{port}",
+                      "--interval", "1", "--grace", str(grace_s), "--bundle-dir", str(bundles), "--ebpf", "off",
+                      "--json"),
+            env=env, cwd="/", stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(timeout=5, trust_env=False) as c:
+            def running() -> bool:
+                return watch.poll() is None
+
+            seen: list[tuple[str | None, str | None]] = []
+
+            def view() -> dict | None:
+                targets = c.get(f"{base}/v1/targets").json()["targets"]
+                return targets[0] if targets else None
+
+            def decided() -> dict | None:
+                t = view()
+                if t is not None and (t["verdict"], t["rule"]) not in seen:
+                    seen.append((t["verdict"], t["rule"]))
+                return t if t is not None and t["rule"] == "live_engine_report_deadlock" else None
+
+            try:
+                target = _wait_for("the report's verdict in /v1/targets", decided, 120, running)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; verdicts seen: {seen}") from None
+            assert target["verdict"] == "engine_deadlock", target["summary"]
+            assert target["up"]
+            engine = " | ".join(e["what"] for e in target["evidence"] if e["source"] == "engine")
+            assert "stage execute_model_wait for" in engine and "requests frozen in the step: cmpl-" in engine, engine
+            said = " | ".join(e["what"] for e in target["evidence"] if e["source"] == "wedgectl")
+            assert "no Python stacks" in said, said  # py-spy was refused: the report decided alone
+
+            metrics = c.get(f"{base}/metrics").text
+            assert re.search(r'(?m)^wedgectl_verdict\{[^}]*verdict="engine_deadlock"[^}]*\} 1\.0$', metrics), metrics
+            assert c.get(f"{base}/readyz").status_code == 503  # out of rotation at once
+            def failing_livez() -> str | None:
+                r = c.get(f"{base}/livez")
+                return r.text if r.status_code == 503 else None
+
+            assert target["target"] in _wait_for("/livez 503 past the grace", failing_livez, 30, running)
+
+            def saved() -> dict | None:
+                t = view()
+                return next((e for e in t["episodes"] if e["verdict"] == "engine_deadlock" and e["bundle"]), None) if (
+                    t is not None) else None
+
+            episode = _wait_for("the onset bundle", saved, 120, running)
+        path = Path(episode["bundle"])
+        assert path.parent == bundles and path.is_file()
+        made = bundles.stat()
+        assert (made.st_uid, stat.S_IMODE(made.st_mode)) == (NOBODY, 0o700)  # its own directory, in the volume
+        b = read_bundle(path)
+        assert b.verdict is not None and (b.verdict.verdict, b.verdict.rule) == (
+            VerdictKind.ENGINE_DEADLOCK, "live_engine_report_deadlock")
+        assert not any(d.threads for s in b.samples for d in s.stacks)  # no stacks: py-spy was refused
+        assert any(r.report is not None for s in b.samples for r in s.engine)
+    finally:
+        rc = stop_gracefully(watch)
+        shutil.rmtree(volume, ignore_errors=True)
+    assert rc == 0, err_path.read_text()[-3000:]
+    assert "Traceback" not in err_path.read_text()
+    events = [json.loads(line) for line in out_path.read_text().splitlines() if line.startswith("{")]
+    started = [e for e in events if e["event"] == "episode_start"]
+    assert [e["verdict"] for e in started] == ["engine_deadlock"], events

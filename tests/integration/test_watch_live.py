@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+
+from cli_run import stop_gracefully
 
 from wedgectl.collect.control import free_port
 
@@ -39,12 +40,7 @@ def test_host_mode_finds_the_session_server_and_stops_on_sigterm(vllm_server, tm
             assert found["live"] and found["episodes"] == []
             assert c.get(f"http://127.0.0.1:{port}/livez").status_code == 200
     finally:
-        watch.send_signal(signal.SIGTERM)
-        try:
-            rc = watch.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            watch.kill()
-            rc = watch.wait(timeout=5)
+        rc = stop_gracefully(watch)
         err.close()
     assert rc == 0
     # No episode on a healthy server. Host mode watches every vLLM on the host: another worker's wedged repro

@@ -8,7 +8,6 @@ import contextlib
 import json
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -20,6 +19,8 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+
+from cli_run import stop_gracefully
 
 from wedgectl.store.bundle import read_bundle
 from wedgectl.classify import classify
@@ -274,13 +275,7 @@ def test_watch_exports_a_wedge_to_prometheus_and_fails_livez(vllm_server, kept_w
             assert c.get(f"{base}/readyz", params={"target": wedge}).status_code == 200  # back in rotation
     finally:
         stop_load.set()
-        watch.send_signal(signal.SIGTERM)
-        try:
-            rc = watch.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            watch.kill()
-            watch.wait(timeout=5)
-            rc = None
+        rc = stop_gracefully(watch)
         loader.join(timeout=35)
     assert rc == 0, err_path.read_text()[-2000:]  # SIGTERM stops it cleanly
     lines = [json.loads(x) for x in out_path.read_text().splitlines() if x.strip()]
@@ -360,9 +355,4 @@ def check_remediating_watch(kept_wedge: dict, wedge: str, tmp_path: Path) -> Non
         saved = sorted((tmp_path / "rb").glob("wedgectl-watch-*-remedy-*.tar.gz"))
         assert len(saved) == 1 and read_bundle(saved[0]).verdict.verdict is VerdictKind.ADMISSION_WEDGE
     finally:
-        watch.send_signal(signal.SIGTERM)
-        try:
-            watch.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            watch.kill()
-            watch.wait(timeout=5)
+        stop_gracefully(watch)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from wedgectl.capture.options import SamplerOptions
 from wedgectl.classify import Facts
+from wedgectl.classify.enginerules import SOURCE as REPORT_SOURCE
 from wedgectl.classify.facts import MIN_FROZEN_S, STEPPING_QUIET_S
 from wedgectl.classify.series import stepless_of
 from wedgectl.model.types import ProcessSample, Verdict, VerdictKind
@@ -56,6 +57,14 @@ def stacks_cannot_help(verdict: Verdict) -> bool:
     return starved_live(verdict) or verdict.rule == "live_engine_waits_for_cpu"
 
 
+def decided_by_the_report(verdict: Verdict) -> bool:
+    """A certain verdict that rests on the engine's own report (its source `engine`: enginerules): the report
+    carries the time it needs (how long the stage has stood, the steps of its writer's last writes), so one
+    sample decides it as well as a window would, and the capture stops there. Any other verdict waits for a
+    second sample, as before: one scrape says nothing about movement."""
+    return verdict.confidence >= CERTAIN and verdict.facts.get("source") == REPORT_SOURCE
+
+
 def hang_shaped(f: Facts) -> bool:
     """Whether the first sample already looks like a hang: requests waiting with none running (a
     wedge's gauges; a healthy server admits a waiting request within a step), or work in flight
@@ -99,14 +108,17 @@ def next_step(verdict: Verdict, n_samples: int, elapsed_s: float, options: Sampl
     open after that gets the probes (how long main threads sit parked), with --ebpf auto and
     window left for them to see a wait. The classifier decides certainty; its thresholds
     (MIN_FROZEN_S) keep a slow step, a long prefill or a saturated server from being called
-    stuck on a short window. A first sample that is hang_shaped (`suspect`) buys the burst for the
-    second sample at once. A window that ends with `thin` scrapes (thin_scrapes) runs on, up to
+    stuck on a short window. A certain verdict resting on the engine's own report stops the capture at
+    its first sample (decided_by_the_report). A first sample that is hang_shaped (`suspect`) buys the
+    burst for the second sample at once. A window that ends with `thin` scrapes (thin_scrapes) runs on, up to
     EXTEND_FACTOR times its length counted from the first scrape that answered (`answered_s` ago;
     default: the window's start), and never past MAX_FACTOR times its length: a rate from one scrape
     is no evidence, and a verdict drawn without one (a leak, a starved queue) may name the wrong
     class. Seen on a host at load ~12: wedgectl held off a CPU for 10 s after its first /proc
     reading, its three scrapes then 1 s apart, a leak read as a starved queue."""
-    if n_samples < 2:  # one scrape says nothing about movement
+    if n_samples < 2:  # one scrape says nothing about movement; the engine's report may (decided_by_the_report)
+        if decided_by_the_report(verdict) and elapsed_s >= options.min_window_s:
+            return Step(True, why="verdict certain from the engine's own report")
         if suspect and options.stacks:
             return Step(False, burst=options.stack_burst, why="hang-shaped first sample: stack burst")
         return Step(False)

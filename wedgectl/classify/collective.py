@@ -10,8 +10,11 @@ from dataclasses import dataclass, field, replace
 from wedgectl.read import stacks as stk
 from wedgectl.classify.evidence import (counter_evidence, fmt_duration, log_stamp, message, metrics_evidence, present,
                                         stepless_evidence)
-from wedgectl.classify.facts import PARKED_CORES, SPINNING_CORES, Facts
+from wedgectl.classify.facts import MIN_FROZEN_S, PARKED_CORES, SPINNING_CORES, Facts
+from wedgectl.classify.enginerules import requests_evidence, stage_evidence
+from wedgectl.classify.rankreports import rank_report_evidence
 from wedgectl.classify.rule import Rule
+from wedgectl.model import engine as E
 from wedgectl.model.types import Bundle, Evidence, ProcessSample, Role, StackDump, Verdict, VerdictKind
 
 # How sure a collective_hang is (the scale of confidence.py).
@@ -24,6 +27,9 @@ COLLECTIVE_CONTRAST = 0.85
 COLLECTIVE_ALL_INSIDE = 0.8
 # The log's RPC timeout: a step that never completed on some rank for VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS.
 STEP_TIMEOUT_LOG = 0.9
+
+# The kind of a rank placed by its own report (no stacks): in a step, no collective its Python opened.
+REPORTED_STEP = "in a step (by its report)"
 
 # A main thread seen runnable (state R) in at least this share of the samples spins, however
 # little CPU a loaded host gives it; a thread parked in a wait is S in every sample.
@@ -152,14 +158,31 @@ def rank_views(f: Facts) -> tuple[RankView, ...]:
     views = []
     for p, par, rank in zip(workers, parallel, ranks):
         dumps = f.stack_burst(p.pid)
-        group, kind, frame, stuck, frames = _position(dumps) if dumps else (stk.ELSEWHERE, stk.KIND_UNKNOWN, "", None,
-                                                                            ())
+        group, kind, frame, stuck, frames = _position(dumps) if dumps else _reported_position(f, p.pid)
         label = "_".join(f"{k}{v}" for k, v in par.items()) or f"pid {p.pid}"
         views.append(RankView(p.pid, label, rank, par, device_of(p), p.state, cpu.get(p.pid), group, kind, frame,
                               stuck, len(dumps), any(d.native for d in dumps), frames=frames,
                               running_share=_runnable_share(f, p.pid)))
     views = _infer_inside(views)
     return tuple(sorted(views, key=lambda v: (v.rank is None, v.rank if v.rank is not None else v.pid)))
+
+
+def _reported_position(f: Facts, pid: int) -> tuple[str, str, str, bool | None, tuple[str, ...]]:
+    """Where a rank is by its own report, where no stack of it was read (no ptrace): fresh and in a step
+    (stage execute_model) for MIN_FROZEN_S, it is INSIDE the collective its report says it is inside (a
+    collective frame's equivalent, stuck while it lasts), else BEFORE it (in the model, outside any collective
+    its Python opened); anything else says nothing (ELSEWHERE), as a rank with no stacks did before."""
+    r = f.engine_readings.get(pid)
+    rep = r.report if r is not None else None
+    if r is None or rep is None or not r.fresh or rep.stage_name != E.EXECUTE_MODEL or (r.stage_age_s or 0.0) < \
+            MIN_FROZEN_S:
+        return stk.ELSEWHERE, stk.KIND_UNKNOWN, "", None, ()
+    c = rep.rank.collective if rep.rank is not None else None
+    if c is not None and c.inside:
+        what = f"{c.op}" + (f" #{c.seq}" if c.seq is not None else "") + (f" on {c.group}" if c.group else "")
+        return stk.INSIDE, stk.KIND_COLLECTIVE, f"{what} (its own report)", True, ()
+    step = f"execute_model for {fmt_duration(r.stage_age_s or 0.0)}, no collective open"
+    return stk.BEFORE, REPORTED_STEP, step, None, ()
 
 
 def _runnable_share(f: Facts, pid: int) -> float | None:
@@ -169,14 +192,20 @@ def _runnable_share(f: Facts, pid: int) -> float | None:
 
 
 def _infer_inside(views: list[RankView]) -> list[RankView]:
-    """Compiled graphs: the CPU contrast decides which rank waits inside (see rank_views)."""
+    """Compiled graphs: the CPU contrast decides which rank waits inside (see rank_views). Ranks placed by
+    their reports alone (REPORTED_STEP: in a step, no Python collective open) are judged the same way: the one
+    spinning in place waits in a collective its graph inlined, the parked one never came to it."""
+    reported = all(v.kind == REPORTED_STEP for v in views if v.group == stk.BEFORE)
     parked_before = [v for v in views if v.group == stk.BEFORE and v.kind != stk.KIND_COMPILED and v.parked]
     if not parked_before:
         return views
     out = []
     for v in views:
-        if v.group == stk.BEFORE and v.kind == stk.KIND_COMPILED and v.spinning and v.stuck is not False:
+        compiled = v.kind == stk.KIND_COMPILED or (reported and v.kind == REPORTED_STEP and v not in parked_before)
+        if v.group == stk.BEFORE and compiled and v.spinning and v.stuck is not False:
             who = ", ".join(p.label for p in parked_before)
+            if v.kind == REPORTED_STEP:
+                v = replace(v, frame=f"a collective inlined in its compiled graph (its own report: {v.frame})")
             v = replace(v, group=stk.INSIDE, inferred=f"spinning ({_cpu_text(v)}) in place inside a compiled graph "
                                                      f"while {who} sleeps before it: the graph's inlined collective "
                                                      "spin-waits")
@@ -270,6 +299,11 @@ def _collective_verdict(f: Facts) -> Verdict:
                                    "dumps": v.dumps, "native": v.native, "frames": list(v.frames[:6])}))
         if v.inferred:
             ev.append(Evidence("proc", f"rank {v.label}: {v.inferred}", values={"pid": v.pid}))
+    # The ranks' own word, where their reports carry it: each one's steps and last collective.
+    ev.extend(rank_report_evidence(f.samples, [(v.pid, v.label) for v in views]))
+    core = f.engine_report  # the EngineCore's own report: the step it waits on, and the requests frozen in it
+    if core is not None and core.report is not None:
+        ev.extend(present(stage_evidence(f, core), requests_evidence(core.report)))
     if signature is not None:
         ev.append(Evidence("stack", f"native frames: {signature[1]}", values={"shape": signature[0]}))
     if lagging:

@@ -37,6 +37,10 @@ STARTUP_PARKED_CORROBORATED = 0.9
 STARTUP_PARKED = 0.85
 # Past STARTUP_DEADLINE_S in one phase with the engine busy: a very slow compile or load fits too.
 STARTUP_PAST_DEADLINE = 0.7
+# Weight loading or torch compile quiet past STARTUP_QUIET_S with the engine parked and reading no bytes
+# (/proc/PID/io unchanged for NO_READS_MIN_S), only the log or only the stacks naming the phase: two live
+# sources (CPU and reads) say it makes no progress, as STARTUP_PARKED's CPU does in the other phases.
+STARTUP_NO_READS = 0.85
 
 # Counters frozen past CERTAIN_FROZEN_S with the engine spinning, or the heartbeat counting empty
 # steps: the busy loop runs and refuses the request every step.
@@ -82,6 +86,11 @@ LEAK_NO_CLIENTS = 0.9
 # More requests counted than client connections in every sample: one HTTP request that fans out
 # (n > 1, a list of prompts) is several engine requests on one connection, so this fits too.
 LEAK_FEWER_CLIENTS = 0.75
+# The API server's own report: it tracks the request, and its generator ended before the request did (the
+# client went). No connection count or fan-out (n > 1) to infer from: the request is named.
+LEAK_ENGINE_REPORT = 0.9
+# The same before a second scrape gives the tokens/s the ghosts cost: short of certain, so the capture goes on.
+LEAK_ENGINE_REPORT_FIRST = 0.85
 
 # Tokens advance, the queue does not drain and nothing was admitted in the window.
 STARVED_LIVE = 0.85

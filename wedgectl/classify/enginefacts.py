@@ -1,5 +1,6 @@
 """What the engine reports on the samples say, for the classifier: each process's latest reading, the engine
-core's stage and since when, whether its report is fresh, its steps over the window. No I/O.
+core's stage and since when, whether its report is fresh, its steps over the window (or over the history a
+report carries of its writer's last writes, where that spans longer). No I/O.
 
 Pure: it reads Sample.engine (model/engine.py) and the samples' process roles, and touches no process. A
 report is the engine's own word, trusted as far as /metrics is: it says what the engine believes, from a
@@ -56,16 +57,26 @@ def engine_core_reading(samples: Sequence[Sample]) -> EngineReading | None:
     return min(found, key=lambda r: r.pid) if found else None
 
 
-def steps_over_window(samples: Sequence[Sample], pid: int) -> tuple[int, int, float] | None:
-    """(first steps, last steps, seconds between) over pid's fresh reports in the window; None with fewer
-    than two, or a counter that went back (a restarted process's)."""
+def steps_over_window(samples: Sequence[Sample], pid: int,
+                      history_since_ns: int | None = 0) -> tuple[int, int, float] | None:
+    """(first steps, last steps, seconds between) of pid's step count: over its fresh reports in the window, or
+    over the history its latest fresh report carries (its writer's last writes) where the window has fewer than
+    two or the history spans longer, so one reading can show the engine stepping. Only history written at or
+    after `history_since_ns` counts (None: none does). None with fewer than two points, or a counter that went
+    back (a restarted process's)."""
     points: list[tuple[int, int]] = []  # (written_mono_ns, steps)
+    latest = None
     for s in samples:
         for r in s.engine:
             rep = r.report
             if r.pid == pid and rep is not None and r.fresh and rep.steps is not None:
+                latest = rep
                 if not points or rep.written_mono_ns > points[-1][0]:
                     points.append((rep.written_mono_ns, rep.steps))
+    if latest is not None and history_since_ns is not None:
+        history = [p for p in latest.step_history if p[0] >= history_since_ns]
+        if len(history) >= 2 and (len(points) < 2 or history[-1][0] - history[0][0] > points[-1][0] - points[0][0]):
+            points = history
     if len(points) < 2 or points[-1][1] < points[0][1]:
         return None
     return points[0][1], points[-1][1], (points[-1][0] - points[0][0]) / 1e9

@@ -55,7 +55,7 @@ def stage_evidence(f: Facts, r: EngineReading) -> Evidence | None:
         "report_age_s": None if r.age_s is None else round(r.age_s, 2), "seq": rep.seq})
 
 
-def _ids(requests: tuple[RequestSample, ...]) -> str:
+def ids_text(requests: tuple[RequestSample, ...]) -> str:
     shown = ", ".join(r.id for r in requests[:MOST_IDS])
     return shown + (f" and {len(requests) - MOST_IDS} more" if len(requests) > MOST_IDS else "")
 
@@ -66,7 +66,7 @@ def requests_evidence(rep: EngineReport) -> Evidence | None:
     if not held:
         return None
     total = rep.requests_total
-    return Evidence(SOURCE, f"requests frozen in the step: {_ids(held)}"
+    return Evidence(SOURCE, f"requests frozen in the step: {ids_text(held)}"
                     + (f" (the scheduler holds {total})" if total is not None else ""),
                     values={"ids": [r.id for r in held[:MOST_IDS]], "requests_total": total})
 
@@ -129,7 +129,9 @@ def live_engine_report_deadlock(f: Facts) -> bool:
     name, age = stage
     if name not in E.MODEL_STAGES or age is None or age < MIN_FROZEN_S or _running(f, r.report) < 1:
         return False
-    steps = f.engine_report_steps
+    # Its report's history counts only from the stage's start: steps before it are the ones that led here.
+    since = r.report.stage.since_mono_ns if r.report.stage is not None else None
+    steps = ef.steps_over_window(f.samples, r.pid, history_since_ns=since)
     return not (steps is not None and steps[1] > steps[0]) and not f.tokens_advance and not f.engine_waits_for_cpu
 
 
@@ -150,7 +152,7 @@ def _deadlock_verdict(f: Facts) -> Verdict:
         "innermost frame names the kernel, collective or lock the step waits on.",)
     advice += ("Restart the server: the step will not return. /health stays 200, so point liveness probes at "
                "the patched engine's heartbeat."
-               + (f" The requests it held ({_ids(held)}) fail with it." if held else ""),)
+               + (f" The requests it held ({ids_text(held)}) fail with it." if held else ""),)
     return Verdict(
         VerdictKind.ENGINE_DEADLOCK,
         C.DEADLOCK_ENGINE_REPORT_CERTAIN if (age or 0.0) >= CERTAIN_FROZEN_S else C.DEADLOCK_ENGINE_REPORT,
@@ -174,16 +176,42 @@ def never_fitting(f: Facts) -> RequestSample | None:
 
 
 def live_engine_report_wedge(f: Facts) -> bool:
-    """The engine's own report, fresh, shows its busy loop stepping (its step count rose over the window)
-    with nothing running while a waiting request needs more KV blocks than the pool holds in all
-    (blocks_needed > kv_blocks.total). vLLM's scheduler tries it at every step; allocate_slots() returns
-    None for it and the waiting loop breaks, so nothing behind it is admitted either: a wedge that no
-    freeing of blocks can end."""
+    """The engine's own report, fresh, shows its busy loop stepping (its step count rose over the window, or
+    over the last writes the report carries: one sample can decide) with nothing running while a waiting
+    request needs more KV blocks than the pool holds in all (blocks_needed > kv_blocks.total). vLLM's
+    scheduler tries it at every step; allocate_slots() returns None for it and the waiting loop breaks, so
+    nothing behind it is admitted either: a wedge that no freeing of blocks can end."""
     sched, steps = f.engine_scheduler, f.engine_report_steps
     if not f.engine_report_fresh or sched is None or steps is None or steps[1] <= steps[0]:
         return False
     running = sched.running if sched.running is not None else f.running
     return running < 1 and never_fitting(f) is not None
+
+
+def stepping_idle(f: Facts) -> bool:
+    """The EngineCore's fresh report shows its busy loop stepping (steps rose over the window or its history) with
+    nothing running and a request waiting: the scheduler is asked at every step and admits nothing."""
+    sched, steps = f.engine_scheduler, f.engine_report_steps
+    if not f.engine_report_fresh or sched is None or steps is None or steps[1] <= steps[0]:
+        return False
+    return (sched.running if sched.running is not None else f.running) < 1 and (sched.waiting or 0) >= 1
+
+
+def stepping_evidence(f: Facts, what: str = "each step admits nothing") -> Evidence | None:
+    """'the engine stepped 812 times in 2.0 s with nothing running and 3 waiting (capacity 1, deferred 2): ...'."""
+    sched, steps, r = f.engine_scheduler, f.engine_report_steps, f.engine_report
+    if not stepping_idle(f) or sched is None or steps is None or r is None:
+        return None
+    first, last, span = steps
+    reasons = ", ".join(f"{k} {v}" for k, v in sched.waiting_by_reason.items() if v)
+    waiting = [q.id for q in f.engine_requests if q.state == "waiting"]
+    return Evidence(SOURCE, f"the engine stepped {last - first} times in {span:.1f} s with nothing running and "
+                    f"{sched.waiting if sched.waiting is not None else '?'} waiting"
+                    + (f" ({reasons})" if reasons else "") + f": {what} ({_who(f, r)}'s report)"
+                    + (f"; waiting: {', '.join(waiting[:MOST_IDS])}" if waiting else ""),
+                    values={"steps_first": first, "steps_last": last, "span_s": round(span, 2), "running": 0,
+                            "waiting": sched.waiting, "waiting_by_reason": sched.waiting_by_reason or None,
+                            "waiting_ids": waiting[:MOST_IDS]})
 
 
 def never_fits_evidence(f: Facts) -> tuple[Evidence, str] | None:
@@ -218,13 +246,9 @@ def _wedge_verdict(f: Facts) -> Verdict:
     assert req is not None and sched is not None and steps is not None and r is not None and named is not None
     kv = sched.kv_blocks
     assert kv is not None and kv.total is not None
-    first, last, span = steps
-    ev = [named[0],
-          Evidence(SOURCE, f"the engine stepped {last - first} times in {span:.1f} s with nothing running and "
-                   f"{sched.waiting if sched.waiting is not None else '?'} waiting: each step refuses it "
-                   f"({_who(f, r)}'s report)",
-                   values={"steps_first": first, "steps_last": last, "span_s": round(span, 2), "running": 0,
-                           "waiting": sched.waiting, "waiting_by_reason": sched.waiting_by_reason or None})]
+    stepped = stepping_evidence(f, "each step refuses it")
+    assert stepped is not None
+    ev = [named[0], stepped]
     if f.scrapes:
         ev += [metrics_evidence(f, f"{f.waiting:.0f} waiting, {f.running:.0f} running"), counter_evidence(f)]
     ev += present(engine_cpu_evidence(f))
@@ -250,6 +274,31 @@ def _wedge_verdict(f: Facts) -> Verdict:
     )
 
 
+# -------------------------------------------------------------- starved
+
+
+def runaway(f: Facts) -> RequestSample | None:
+    """The running request of the EngineCore's report holding the most KV blocks (the runaway a starved pool
+    waits behind); None without a report that says what its requests hold."""
+    running = [q for q in f.engine_requests if q.state == "running" and q.blocks_held]
+    return max(running, key=lambda q: q.blocks_held or 0) if running else None
+
+
+def runaway_evidence(f: Facts) -> Evidence | None:
+    """'request X holds 40 of the pool's 96 KV blocks, 300 tokens out, running for 40 s (EngineCore's report)'."""
+    hog, sched = runaway(f), f.engine_scheduler
+    if hog is None:
+        return None
+    kv = sched.kv_blocks if sched is not None else None
+    of = f" of the pool's {kv.total}" if kv is not None and kv.total else ""
+    return Evidence(SOURCE, f"request {hog.id} holds {hog.blocks_held}{of} KV blocks"
+                    + (f", {hog.output_tokens} tokens out" if hog.output_tokens is not None else "")
+                    + (f", running for {fmt_duration(hog.age_s)}" if hog.age_s is not None else "")
+                    + " (the EngineCore's report): what the waiting requests wait behind",
+                    values={"request": hog.id, "blocks_held": hog.blocks_held,
+                            "kv_total": kv.total if kv is not None else None, "output_tokens": hog.output_tokens})
+
+
 # -------------------------------------------------------- shutdown and start-up
 
 
@@ -258,6 +307,35 @@ def shutting_down(f: Facts) -> EngineReading | None:
     long = [r for r in f.engine_readings.values() if r.report is not None and r.report.stage_name == E.SHUTTING_DOWN
             and r.stage_age_s is not None and r.stage_age_s >= SHUTDOWN_LONG_S]
     return max(long, key=lambda r: r.stage_age_s or 0.0) if long else None
+
+
+def api_shutting_down(f: Facts) -> EngineReading | None:
+    """The API server's own reading, fresh, saying shutting_down: uvicorn's shutdown() began and has not returned
+    (the process would exit when it does), for SHUTDOWN_LONG_S or more; or for MIN_FROZEN_S while it still
+    tracks a request and no EngineCore is left to finish it (vLLM's SIGTERM ends the engine at once, and uvicorn
+    waits for that request's connection to close, with no deadline: a drain that cannot end)."""
+    api = f.api_server
+    r = f.engine_readings.get(api.pid) if api is not None else None
+    if r is None or r.report is None or r.report.stage_name != E.SHUTTING_DOWN or r.stage_age_s is None:
+        return None
+    if not r.fresh:
+        return None
+    undrainable = f.engine_core is None and (r.report.requests_total or 0) >= 1 and r.stage_age_s >= MIN_FROZEN_S
+    return r if r.stage_age_s >= SHUTDOWN_LONG_S or undrainable else None
+
+
+def undrainable_evidence(f: Facts) -> Evidence | None:
+    """'the API server still tracks 1 request (1 client connected) and no EngineCore is left to finish it'."""
+    r = api_shutting_down(f)
+    rep = r.report if r is not None else None
+    if rep is None or f.engine_core is not None or not rep.requests_total:
+        return None
+    held = ids_text(rep.requests)
+    clients = f", {rep.clients_connected} client(s) connected" if rep.clients_connected else ""
+    return Evidence(SOURCE, f"the API server still tracks {rep.requests_total} request(s){clients} and no EngineCore "
+                    f"is left to finish them: {held}; uvicorn waits for their connections to close",
+                    values={"requests_total": rep.requests_total, "clients_connected": rep.clients_connected,
+                            "ids": [q.id for q in rep.requests[:MOST_IDS]]})
 
 
 def shutdown_evidence(f: Facts) -> Evidence | None:

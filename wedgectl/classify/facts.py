@@ -489,7 +489,7 @@ class Facts:
 
     @cached_property
     def engine_report_steps(self) -> tuple[int, int, float] | None:
-        """(first, last, seconds) of the EngineCore's step count over its fresh reports in the window."""
+        """(first, last, seconds) of the EngineCore's step count: its fresh reports, or its report's history."""
         r = self.engine_report
         return None if r is None else ef.steps_over_window(self.samples, r.pid)
 

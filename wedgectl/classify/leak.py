@@ -5,11 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from wedgectl.classify import confidence as C
-from wedgectl.classify.evidence import counter_evidence, engine_cpu_evidence, fmt_duration, iso, present
+from wedgectl.classify.enginerules import MOST_IDS, SOURCE, ids_text, stage_evidence
+from wedgectl.classify.evidence import (counter_evidence, engine_cpu_evidence, fmt_duration, iso, metrics_evidence,
+                                        present)
 from wedgectl.classify.facts import MIN_FROZEN_S, Facts
 from wedgectl.classify.rule import Rule
 from wedgectl.read.metrics import MetricsParseError, parse_metrics
+from wedgectl.model.engine import EngineReading, RequestSample
 from wedgectl.model.types import Evidence, Role, Verdict, VerdictKind
+
+_ADVICE = (
+    "Their clients are gone (timeouts shorter than generation, cancelled streams): the engine "
+    "runs them to max_tokens or holds them forever. Restart the server to free the slots and KV.",
+    "Run the patched engine: it aborts a request once its client is gone "
+    "(wedge_engine:reaped_requests_total counts them).",
+    "Give clients a timeout longer than the longest generation, and cap max_tokens.",
+)
 
 
 @dataclass(frozen=True)
@@ -130,16 +141,77 @@ def _leaked_capacity_verdict(f: Facts) -> Verdict:
         f"({last.counted:.0f} counted, {conns}); "
         + (f"the engine still spends {g.rate or 0:.0f} tokens/s on them." if g.rate
            else "the slots they hold are lost."),
-        "live_leaked_capacity", tuple(ev),
-        (
-            "Their clients are gone (timeouts shorter than generation, cancelled streams): the engine "
-            "runs them to max_tokens or holds them forever. Restart the server to free the slots and KV.",
-            "Run the patched engine: it aborts a request once its client is gone "
-            "(wedge_engine:reaped_requests_total counts them).",
-            "Give clients a timeout longer than the longest generation, and cap max_tokens.",
-        ),
-        facts,
+        "live_leaked_capacity", tuple(ev), _ADVICE, facts,
     )
 
 
+# ------------------------------------------------ the API server's own report: its requests and their clients
+
+
+def ghosts(f: Facts) -> tuple[EngineReading, tuple[RequestSample, ...]] | None:
+    """The API server's fresh report and the requests it still tracks whose client went MIN_FROZEN_S ago or more.
+
+    What it relies on: the report's writer (engine/wedge_engine/fixes/report.py) marks a request's client gone
+    when its AsyncLLM.generate ends before the request finished, which is what vLLM's handler does when its
+    client disconnects (it cancels the handler; a stream's generator is closed). vLLM then aborts the request
+    in the OutputProcessor and the engine at once, so one the OutputProcessor still tracks seconds later was
+    never aborted: the engine runs it for nobody."""
+    api = f.api_server
+    r = f.engine_readings.get(api.pid) if api is not None else None
+    if r is None or r.report is None or not r.fresh:
+        return None
+    gone = tuple(q for q in r.report.requests if q.client_connected is False
+                 and q.disconnected_s is not None and q.disconnected_s >= MIN_FROZEN_S)
+    return (r, gone) if gone else None
+
+
+def live_engine_report_leak(f: Facts) -> bool:
+    """The API server's own report tracks requests whose client went MIN_FROZEN_S or more ago (ghosts), while the
+    process lives: no client connection count needed (none can be read without ptrace), and no n > 1 doubt."""
+    return not f.exited and ghosts(f) is not None
+
+
+def _engine_leak_verdict(f: Facts) -> Verdict:
+    found = ghosts(f)
+    assert found is not None
+    r, gone = found
+    rep = r.report
+    assert rep is not None
+    leaked = max(rep.clients_gone or 0, len(gone))
+    oldest = max(q.disconnected_s or 0.0 for q in gone)
+    ids = [q.id for q in gone]
+    ev = [Evidence(SOURCE, f"requests with no client: {ids_text(gone)} (the API server pid {r.pid} still tracks "
+                   f"them, their clients gone up to {fmt_duration(oldest)} ago: no abort reached the engine)",
+                   values={"ids": ids[:MOST_IDS], "gone": leaked, "connected": rep.clients_connected,
+                           "tracked": rep.requests_total, "disconnected_s_max": round(oldest, 1)})]
+    held = {q.id: q for q in f.engine_requests}
+    in_engine = [held[i] for i in ids if i in held]
+    if in_engine:
+        blocks = sum(q.blocks_held or 0 for q in in_engine)
+        states = "; ".join(f"{q.id} {q.state}" + (f", {q.output_tokens} tokens out" if q.output_tokens else "")
+                           for q in in_engine[:MOST_IDS])
+        ev.append(Evidence(SOURCE, f"the EngineCore's scheduler still holds {len(in_engine)} of them, with "
+                           f"{blocks} KV blocks: {states}",
+                           values={"ids": [q.id for q in in_engine[:MOST_IDS]], "blocks_held": blocks}))
+    if f.engine_report is not None:
+        ev += present(stage_evidence(f, f.engine_report))
+    if f.scrapes:
+        ev += [metrics_evidence(f, f"{f.running:.0f} running, {f.waiting:.0f} waiting"), counter_evidence(f)]
+    ev += present(engine_cpu_evidence(f))
+    g = f.gen_tokens
+    facts: dict[str, object] = {
+        "counted": (f.running + f.waiting) if f.scrapes else rep.requests_total, "running": f.running,
+        "waiting": f.waiting, "client_connections": rep.clients_connected, "leaked": leaked,
+        "tokens_per_s": round(g.rate or 0, 2), "source": SOURCE, "request_ids": ids[:MOST_IDS],
+    }
+    return Verdict(
+        # certain once the token rate is known (two scrapes): the capture takes the second sample for it
+        VerdictKind.LEAKED_CAPACITY, C.LEAK_ENGINE_REPORT if g.rate is not None else C.LEAK_ENGINE_REPORT_FIRST,
+        f"{leaked} request(s) the server still runs with no client behind them ({ids_text(gone)}); "
+        + (f"the engine spends {g.rate or 0:.0f} tokens/s on them." if g.rate else "the slots they hold are lost."),
+        "live_engine_report_leak", tuple(ev), _ADVICE, facts,
+    )
+
+
+ENGINE_LEAK_RULE = Rule(live_engine_report_leak, _engine_leak_verdict)
 LEAK_RULE = Rule(live_leaked_capacity, _leaked_capacity_verdict)

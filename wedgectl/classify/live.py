@@ -26,12 +26,13 @@ from wedgectl.classify.evidence import (
 )
 from wedgectl.classify.corroboration import starved_for_capacity, wedge_refused_for_capacity
 from wedgectl.classify.deferred import DEFERRED, DEFERRED_ADVICE, reason_text, waiting_reason
-from wedgectl.classify.enginerules import (DEADLOCK_RULE, WEDGE_RULE, never_fits_evidence, shutdown_evidence,
-                                           shutting_down, stage_evidence, stale_evidence)
+from wedgectl.classify.enginerules import (DEADLOCK_RULE, WEDGE_RULE, api_shutting_down, never_fits_evidence, runaway,
+                                           runaway_evidence, stepping_evidence, stepping_idle, undrainable_evidence,
+                                           shutdown_evidence, shutting_down, stage_evidence, stale_evidence)
 from wedgectl.classify.verdictfacts import deadlock_facts, wedge_facts
 from wedgectl.classify.facts import CERTAIN_FROZEN_S, STEAL_SHARE, Facts, mostly_queued, mostly_throttled
 from wedgectl.classify.series import slope_per_s
-from wedgectl.classify.leak import LEAK_RULE
+from wedgectl.classify.leak import ENGINE_LEAK_RULE, LEAK_RULE
 from wedgectl.classify.orphan import ORPHAN_RULE
 from wedgectl.classify.rule import Rule
 from wedgectl.classify.startup import LIVE_STARTUP_RULE
@@ -80,10 +81,14 @@ def live_shutdown_hang(f: Facts) -> bool:
     connections to close"); a second SIGTERM does nothing. An API server that exited during the
     capture finished its shutdown; one whose sockets were unreadable (no CAP_SYS_PTRACE) leaves
     "no listener" unknown. The engine's own report saying shutting_down for SHUTDOWN_LONG_S is a third
-    sign that a shutdown began (enginerules.shutting_down)."""
+    sign that a shutdown began (enginerules.shutting_down). Where the sockets are unreadable, the API
+    server's own report decides: uvicorn's shutdown() began SHUTDOWN_LONG_S ago or more and the process
+    lives, with no /metrics answered in the window (its listener is the first thing shutdown closes)."""
     api = f.api_server
-    if not f.is_live or api is None or api.listening or f.exited or api.connections is None:
+    if not f.is_live or api is None or api.listening or f.exited:
         return False
+    if api.connections is None:
+        return api_shutting_down(f) is not None and not f.scrapes
     began = f.shutdown_began is not None or bool(f.api_shutdown_frames) or shutting_down(f) is not None
     return began and f.api_never_listened
 
@@ -91,10 +96,12 @@ def live_shutdown_hang(f: Facts) -> bool:
 def _shutdown_hang_verdict(f: Facts) -> Verdict:
     api, began, frames = f.api_server, f.shutdown_began, f.api_shutdown_frames
     assert api is not None
+    sockets = ("with no listening socket" if api.connections is not None else
+               "(its sockets unreadable without ptrace; /metrics never answered)")
     ev = [
         Evidence(
             "proc",
-            f"API server pid {api.pid} alive ({api.state}, {api.num_threads} threads) with no listening socket",
+            f"API server pid {api.pid} alive ({api.state}, {api.num_threads} threads) {sockets}",
             values={"pid": api.pid, "state": api.state, "threads": api.num_threads, "connections": api.connections},
         )
     ]
@@ -121,10 +128,17 @@ def _shutdown_hang_verdict(f: Facts) -> Verdict:
     if frames:
         ev.append(Evidence("stack", f"API server stack in shutdown: {frames[0]}", values={"frames": list(frames[:6])}))
     reported = shutdown_evidence(f)  # the engine's own report: stage shutting_down for long
-    ev += present(reported)
+    api_reported = api_shutting_down(f)
+    if reported is None and api_reported is not None:
+        reported = stage_evidence(f, api_reported)
+    if api_reported is not None:  # the API server's own word, with its stage's age: one sample decides
+        facts["source"] = "engine"
+    ev += present(reported, undrainable_evidence(f))
     ev += f.probe_evidence
+    # The API server's own report of its shutdown, for SHUTDOWN_LONG_S, while it lives, is as sure as a log line
+    # with the connections uvicorn waits for: it is the shutdown's own word, not an inference.
     corroborated = (began is not None and (api.connections or frames)) or (
-        reported is not None and (began is not None or frames or api.connections))
+        reported is not None and (began is not None or frames or api.connections)) or api_shutting_down(f) is not None
     return Verdict(
         VerdictKind.SHUTDOWN_HANG, C.SHUTDOWN_CORROBORATED if corroborated else C.SHUTDOWN_NO_LISTENER,
         "Shutdown began but the API server never exits: listener closed, process alive"
@@ -163,6 +177,8 @@ def _admission_wedge_verdict(f: Facts) -> Verdict:
         confidence = C.WEDGE_CERTAIN
     elif wedge_refused_for_capacity(f):
         confidence = C.WEDGE_REFUSED_EMPTY_POOL
+    elif stepping_idle(f):  # the engine's own report: its loop steps, admitting nothing (no stacks needed)
+        confidence = C.WEDGE_ENGINE_REPORT
     else:
         confidence = C.WEDGE_SPINNING
     by_reason = m.waiting_capacity is not None or m.waiting_deferred is not None
@@ -180,6 +196,7 @@ def _admission_wedge_verdict(f: Facts) -> Verdict:
     named = never_fits_evidence(f)  # the engine's own report, where it has one: the request, by id
     if named is not None:
         ev.append(named[0])
+    ev += present(stepping_evidence(f), stage_evidence(f, f.engine_report) if f.engine_report is not None else None)
     reason = waiting_reason(m)
     advice = list(DEFERRED_ADVICE) if reason == DEFERRED else [
         named[1] if named is not None else
@@ -346,7 +363,11 @@ def _starved_verdict(f: Facts) -> Verdict:
         ev.append(Evidence("metrics", f"KV cache {kv_last * 100:.1f}% used, growing {per_min:.2f} %/min"
                            + (f"; full in ~{fmt_duration(to_full)}" if to_full is not None else ""),
                            values={"kv_usage_pct": round(kv_last * 100, 1), "pct_per_min": round(per_min, 2)}))
-    ev += present(engine_cpu_evidence(f))
+    ev += present(engine_cpu_evidence(f), runaway_evidence(f),
+                  stage_evidence(f, f.engine_report) if f.engine_report is not None else None)
+    hog = runaway(f)
+    if hog is not None:
+        facts["request_ids"] = [hog.id]
     return Verdict(
         VerdictKind.STARVED, C.STARVED_CAPACITY if starved_for_capacity(f) else C.STARVED_LIVE,
         f"Not a hang: tokens advance at {g.rate or 0:.1f}/s but {waiting:.0f} request(s) wait for KV capacity behind "
@@ -407,6 +428,7 @@ LIVE_RULES: tuple[Rule, ...] = (
     Rule(live_engine_waits_for_cpu, _waits_for_cpu_verdict),
     DEADLOCK_RULE,  # the engine's report has its step stuck in one stage: before the metrics' reading of it
     Rule(live_engine_deadlock, _engine_deadlock_verdict),
+    ENGINE_LEAK_RULE,  # the API server's report names the requests whose client went
     LEAK_RULE,
     Rule(live_starved, _starved_verdict),
     Rule(live_progressing, _progressing_verdict),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from wedgectl.classify import confidence as C
+from wedgectl.classify.enginerules import stage_evidence
 from wedgectl.classify.evidence import fmt_duration
 from wedgectl.classify.facts import Facts
 from wedgectl.classify.rule import Rule
@@ -68,6 +69,8 @@ def _orphan_verdict(f: Facts) -> Verdict:
                            f"engine used {f.engine_cores:.2f} cores over the window: it waits for requests no one can "
                            "send",
                            values={"cores": round(f.engine_cores, 3)}))
+    if f.engine_report is not None and (stage := stage_evidence(f, f.engine_report)) is not None:
+        ev.append(stage)  # the EngineCore's own word: idle on its input queue since the API server died
     if f.log is not None and f.log.shutdown == () and f.log.n_lines:
         ev.append(Evidence("log", "the log ends without any shutdown line: the API server was killed, not stopped",
                            values={"lines": f.log.n_lines}))

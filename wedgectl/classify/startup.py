@@ -13,9 +13,10 @@ from wedgectl.classify import confidence as C
 from wedgectl.classify.enginerules import stage_evidence, starting_phase
 from wedgectl.classify.evidence import fmt_duration, log_stamp, message
 from wedgectl.classify.facts import PARKED_CORES, Facts, unix_to_logtime
+from wedgectl.classify.ioprogress import EngineReads, engine_reads, reads_evidence, unknown_reason
 from wedgectl.classify.rule import Rule
 from wedgectl.read.logparse import parse_stamp
-from wedgectl.model.engine import EngineReading
+from wedgectl.model.engine import STARTING, EngineReading
 from wedgectl.model.types import Evidence, ProcessSample, Role, Verdict, VerdictKind
 
 # The deadlines, and why.
@@ -33,6 +34,16 @@ STARTUP_QUIET_RANGE = (bounds.STARTUP_QUIET_MIN_S, bounds.STARTUP_QUIET_MAX_S)
 # or network storage (the CPU idles in reads), torch.compile and autotuning of a large model
 # (minutes of busy CPU, one line at the end). Past 10 min of silence even those are stuck.
 STARTUP_DEADLINE_S = 600.0
+# ... unless the engine is seen making no progress at all: parked, and reading no bytes (/proc/PID/io's
+# rchar and read_bytes unchanged in the EngineCore and every Worker, each read at two samples or more)
+# for NO_READS_MIN_S or more. A load reads and a compile burns CPU; an engine doing neither, its log quiet
+# past the quiet bound, is hung in those phases too, and the quiet bound decides there as elsewhere.
+# 3 s: a load submits reads back to back (readahead), each done in milliseconds from a disk and well
+# under a second from a network mount that answers, so 3 s with neither counter moving is a read that
+# does not come back, or none asked for; and diagnose's 6 s window at 1 s samples sees 3 s of it.
+# Where /proc/PID/io is unreadable (another user's server, without CAP_SYS_PTRACE) or bytes are still
+# being read, STARTUP_DEADLINE_S stays, and a start short of it says what it could not tell.
+NO_READS_MIN_S = 3.0
 
 WEIGHT_LOADING = "weight loading"
 TORCH_COMPILE = "torch compile"
@@ -180,8 +191,13 @@ class StartupState:
 
     @property
     def stuck_s(self) -> float | None:
-        """How long it has been in this phase: the log's silence, else the process's age."""
-        return self.quiet_s if self.quiet_s is not None else self.age_s
+        """How long it has been in this phase: the log's silence, else (a log unread: another user's server)
+        the time the engine's fresh report has been in its stage, else the process's age."""
+        if self.quiet_s is not None:
+            return self.quiet_s
+        if self.report is not None and self.report.fresh and self.report.stage_age_s is not None:
+            return self.report.stage_age_s
+        return self.age_s
 
     @property
     def slow_phase(self) -> bool:
@@ -237,19 +253,78 @@ def slow_deadline(f: Facts) -> float:
     return max(STARTUP_DEADLINE_S, quiet_bound(f))
 
 
+def idle_reads(f: Facts) -> EngineReads | None:
+    """The engine's reads where they show no progress: the engine parked, and every engine process read
+    no byte over NO_READS_MIN_S or more of the window; None otherwise."""
+    if not f.engine_parked:
+        return None
+    reads = engine_reads(f.samples)
+    return reads if reads.none_read and reads.span_s >= NO_READS_MIN_S else None
+
+
 def _deadline(f: Facts, s: StartupState) -> float:
-    """The quiet bound for a parked engine in a phase that burns CPU; the slow deadline otherwise."""
-    return quiet_bound(f) if f.engine_parked and not s.slow_phase else slow_deadline(f)
+    """The quiet bound for a parked engine in a phase that burns CPU, or in a slow phase while it reads
+    nothing (idle_reads); the slow deadline otherwise."""
+    if f.engine_parked and (not s.slow_phase or idle_reads(f) is not None):
+        return quiet_bound(f)
+    return slow_deadline(f)
+
+
+def _progress_unknown(f: Facts, s: StartupState) -> tuple[str, str] | None:
+    """Where a parked engine in a slow phase gets the slow deadline because its reads could not decide:
+    (what could not be told, what to check). None where the reads or the CPU decide."""
+    if not s.slow_phase or not f.engine_parked or idle_reads(f) is not None:
+        return None
+    reads = engine_reads(f.samples)
+    pid = reads.loader
+    grep = f"`grep -E '^(rchar|read_bytes)' /proc/{pid if pid is not None else 'PID'}/io`"
+    if reads.reading:
+        most = max(reads.rchar, reads.read_bytes)  # a load through mmap moves read_bytes alone
+        return (f"the engine still reads ({most / 1e6:.1f} MB over {fmt_duration(reads.span_s)})",
+                f"Check the load is moving: {grep} a minute apart; "
+                "counters that stop with the engine parked are a hung start-up.")
+    if reads.none_read:
+        return (f"no bytes read, but over only {fmt_duration(reads.span_s)} (it takes "
+                f"{NO_READS_MIN_S:g} s)",
+                "Diagnose with a longer window (--window 10): no bytes read and no CPU for "
+                f"{NO_READS_MIN_S:g} s decides it at the quiet bound.")
+    return (unknown_reason(reads),
+            f"Check whether it still reads: {grep} twice, seconds apart, as the "
+            "server's user or root (rising: the load goes on; unchanged with the engine parked: hung); or "
+            "diagnose as that user, or with CAP_SYS_PTRACE, where no bytes read decides it at the quiet bound.")
+
+
+def _reads_line(f: Facts, s: StartupState) -> Evidence | None:
+    """What the engine read over the window, where it was read or where the phase hangs on it."""
+    reads = engine_reads(f.samples)
+    if not s.slow_phase and len(reads.never_readable) == len(reads.pids):
+        return None  # a phase the CPU decides, with nothing read (an older bundle): no line
+    return reads_evidence(reads, f.engine_cores)
 
 
 # ------------------------------------------------------------------ live
 
 
+def reported_starting(f: Facts) -> EngineReading | None:
+    """A fresh report of this deployment's EngineCore (else a Worker's) in stage starting. vLLM's API server
+    listens only once the EngineCore has reported READY (its handshake ends after the model is loaded,
+    profiled and warmed up), so while one says it is starting, the API server has not served: what its
+    sockets would say where they cannot be read (no CAP_SYS_PTRACE over another user's server)."""
+    alive = {p.pid: p.role for p in f.last_processes}
+    order = {Role.ENGINE_CORE: 0, Role.WORKER: 1}
+    found = [r for r in f.engine_readings.values() if r.fresh and r.report is not None
+             and r.report.stage_name == STARTING and alive.get(r.pid) in order]
+    return min(found, key=lambda r: (order[alive[r.pid]], r.pid)) if found else None
+
+
 def _still_starting(f: Facts) -> StartupState | None:
     """The start-up state of a live API server that never listened nor answered /metrics, with no shutdown
-    begun and a start-up phase to name; None for any other target."""
+    begun and a start-up phase to name; None for any other target. Its sockets unreadable (no
+    CAP_SYS_PTRACE), a fresh engine report in stage starting stands for 'never listened'."""
     api = f.api_server
-    if not f.is_live or api is None or f.scrapes or api.connections is None or not f.api_never_listened:
+    if not f.is_live or api is None or f.scrapes or not f.api_never_listened:
+        return None
+    if api.connections is None and reported_starting(f) is None:
         return None
     if f.shutdown_began is not None or f.api_shutdown_frames:
         return None
@@ -266,10 +341,11 @@ def starting(f: Facts) -> tuple[str, tuple[Evidence, ...], tuple[str, ...]] | No
     if s is None or s.stuck_s is None:
         return None
     bound = _deadline(f, s)
+    unknown = _progress_unknown(f, s)
     summary = (f"Starting: in {s.phase} for {fmt_duration(s.stuck_s)}, short of the {fmt_duration(bound)} "
-               "after which this phase counts as hung; not a verdict yet.")
-    ev = [Evidence("proc", f"API server pid {f.api_server.pid if f.api_server else '?'} alive, never listening, "
-                           "/metrics never answered: still starting")]
+               "after which this phase counts as hung" + (f"; {unknown[0]}" if unknown else "")
+               + "; not a verdict yet.")
+    ev = _never_listened_evidence(f, "still starting")
     if s.last_line is not None:
         ev.append(Evidence("log", f"last start-up line: {message(s.last_line.text)[:120]}",
                            t=log_stamp(s.last_line.t), values={"line": s.last_line.lineno}))
@@ -277,17 +353,40 @@ def starting(f: Facts) -> tuple[str, tuple[Evidence, ...], tuple[str, ...]] | No
         ev.append(Evidence("proc", f"engine used {f.engine_cores:.2f} cores over the window"
                            + (" (parked)" if f.engine_parked else " (busy: loading, compiling or capturing)"),
                            values={"cores": round(f.engine_cores, 3)}))
-    if s.report is not None and (reported := stage_evidence(f, s.report)) is not None:
-        ev.append(reported)
+    if (reads := _reads_line(f, s)) is not None:
+        ev.append(reads)
+    _add_report(ev, f, s)
     left = fmt_duration(float(math.ceil(max(0.0, bound - s.stuck_s))))
     advice = (
         f"Diagnose again once {left} more have passed: still in {s.phase} "
         "with no log line and the engine parked then is a hung start-up.",
+        *((unknown[1],) if unknown else ()),
         f"Set the bound with --startup-quiet SECONDS (default {fmt_duration(STARTUP_QUIET_S)}; weight loading "
-        f"and torch.compile get {fmt_duration(STARTUP_DEADLINE_S)}).",
+        f"and torch.compile get {fmt_duration(STARTUP_DEADLINE_S)} unless the engine is parked and reads no bytes).",
         _PHASE_ADVICE.get(s.phase, "Read the log's last start-up lines for the step it is on."),
     )
     return summary, tuple(ev), advice
+
+
+def _never_listened_evidence(f: Facts, then: str = "") -> list[Evidence]:
+    """The API server's line (never listening, /metrics never answered, then `then`); where its sockets are
+    unreadable, the engine report that stands for them, and that report's stage line."""
+    api = f.api_server
+    pid = api.pid if api is not None else "?"
+    told = reported_starting(f) if api is not None and api.connections is None else None
+    end = f": {then}" if then else ""
+    if told is None:
+        return [Evidence("proc", f"API server pid {pid} alive, never listening, /metrics never answered{end}")]
+    return [Evidence("proc", f"API server pid {pid} alive, /metrics never answered, its sockets unreadable (no "
+                             "CAP_SYS_PTRACE); the engine's report says it is starting, and vLLM's API server "
+                             f"listens only once the engine reports ready{end}", values={"report_pid": told.pid}),
+            *((line,) if (line := stage_evidence(f, told)) is not None else ())]
+
+
+def _add_report(ev: list[Evidence], f: Facts, s: StartupState) -> None:
+    """The report line naming the phase (s.report), unless the same line is already cited."""
+    if s.report is not None and (reported := stage_evidence(f, s.report)) is not None and reported not in ev:
+        ev.append(reported)
 
 
 def live_startup_hang(f: Facts) -> bool:
@@ -297,8 +396,10 @@ def live_startup_hang(f: Facts) -> bool:
     vLLM 0.32 waits with no deadline for the engine core's READY (wait_for_engine_startup polls
     forever, logging only at DEBUG) and the EngineCore waits for its workers
     (WorkerProc.wait_for_ready: multiprocessing.connection.wait, no timeout); the collective_rpc
-    of profiling and warm-up has none either. Unreadable sockets (no CAP_SYS_PTRACE) leave
-    "never listened" unknown: no verdict."""
+    of profiling and warm-up has none either. In weight loading and torch compile the quiet bound
+    decides only while the engine reads no bytes (idle_reads). Unreadable sockets (no CAP_SYS_PTRACE)
+    leave "never listened" unknown, unless a fresh engine report says the engine is starting
+    (reported_starting): no verdict without one."""
     s = _still_starting(f)
     if s is None:
         return False
@@ -318,15 +419,19 @@ def _startup_verdict(f: Facts, live: bool) -> Verdict:
     ev: list[Evidence] = []
     api = f.api_server
     if live and api is not None:
-        ev.append(Evidence("proc", f"API server pid {api.pid} alive, never listening, /metrics never answered"
-                           + (f"; up {fmt_duration(s.age_s)}" if s.age_s is not None else ""),
-                           values={"pid": api.pid, "age_s": None if s.age_s is None else round(s.age_s, 1)}))
+        first, *more = _never_listened_evidence(f)
+        ev.append(Evidence("proc", first.what + (f"; up {fmt_duration(s.age_s)}" if s.age_s is not None else ""),
+                           values={**first.values, "pid": api.pid,
+                                   "age_s": None if s.age_s is None else round(s.age_s, 1)}))
+        ev += more
         ev += [Evidence("proc", _process_line(p, f), values={"pid": p.pid, "role": p.role.value})
                for p in f.last_processes if p.role in (Role.ENGINE_CORE, Role.WORKER)]
         if f.engine_cores is not None:
             ev.append(Evidence("proc", f"engine used {f.engine_cores:.2f} cores over the window"
                                + (" (parked: not loading, compiling or capturing)" if f.engine_parked else ""),
                                values={"cores": round(f.engine_cores, 3), "parked_below": PARKED_CORES}))
+        if (reads := _reads_line(f, s)) is not None:
+            ev.append(reads)
     if s.last_line is not None:
         ev.append(Evidence("log", f"last start-up line: {message(s.last_line.text)[:120]}",
                            t=log_stamp(s.last_line.t),
@@ -346,14 +451,18 @@ def _startup_verdict(f: Facts, live: bool) -> Verdict:
         name = s.stack.role.value
         ev.append(Evidence("stack", f"{name} pid {s.stack.pid} in {s.stack.phase}: {s.stack.frame}",
                            values={"pid": s.stack.pid, "phase": s.stack.phase}))
-    if s.report is not None and (reported := stage_evidence(f, s.report)) is not None:
-        ev.append(reported)
+    _add_report(ev, f, s)
+    # Two sources naming the phase: the stacks (py-spy's, or those the engine's report took of itself) and the
+    # log's last start-up line, or the engine's own report of its stage (its word, with since when, where the log
+    # is unreadable: no ptrace, no /proc/PID/fd).
+    corroborated = s.stack is not None and (s.last_line is not None or s.report is not None)
     if not live:
         confidence = C.STARTUP_LOG
     elif stuck >= slow_deadline(f) and not f.engine_parked:
         confidence = C.STARTUP_PAST_DEADLINE
+    elif s.slow_phase and stuck < slow_deadline(f):  # decided by the bytes it did not read (idle_reads)
+        confidence = C.STARTUP_PARKED_CORROBORATED if corroborated else C.STARTUP_NO_READS
     else:
-        corroborated = s.stack is not None and s.last_line is not None
         confidence = C.STARTUP_PARKED_CORROBORATED if corroborated else C.STARTUP_PARKED
     pids = " ".join(str(p.pid) for p in f.last_processes)
     advice = [
@@ -432,5 +541,6 @@ def log_startup_verdict(f: Facts) -> Verdict:
 LIVE_STARTUP_RULE = Rule(live_startup_hang, live_startup_verdict)
 LOG_STARTUP_RULE = Rule(log_startup_hang, log_startup_verdict)
 
-__all__ = ["LIVE_STARTUP_RULE", "LOG_STARTUP_RULE", "STARTUP_DEADLINE_S", "STARTUP_QUIET_RANGE", "STARTUP_QUIET_S",
-           "phase_lines", "quiet_bound", "starting", "startup_state"]
+__all__ = ["LIVE_STARTUP_RULE", "LOG_STARTUP_RULE", "NO_READS_MIN_S", "STARTUP_DEADLINE_S", "STARTUP_QUIET_RANGE",
+           "STARTUP_QUIET_S", "idle_reads", "phase_lines", "quiet_bound", "reported_starting", "starting",
+           "startup_state"]

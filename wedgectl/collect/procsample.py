@@ -1,6 +1,6 @@
 """One sample of each process of a deployment (sample_process, sample_roles): its stat, CPU, RSS,
-start time, threads, sockets and accelerator devices, with procfs's reads and psutil only where
-they fail; never raises, and reports what it could not read."""
+bytes read, start time, threads, sockets and accelerator devices, with procfs's reads and psutil only
+where they fail; never raises, and reports what it could not read."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def sample_process(
     threads_memo: procfs.ThreadMemo | None = None,
     fds_memo: FdsMemo | None = None,
 ) -> tuple[ProcessSample, tuple[CollectorFailure, ...]]:
-    """One ProcessSample: state, CPU, RSS, start time, threads (procfs), name and cmdline, sockets.
+    """One ProcessSample: state, CPU, RSS, bytes read, start time, threads (procfs), name and cmdline, sockets.
 
     `proc`: a psutil.Process or a pid. RSS (statm) and the start time (the stat line already read)
     are psutil's figures, read without psutil's objects: `top` samples every process every second;
@@ -134,6 +134,9 @@ def sample_process(
         failures.extend(thread_failures)
 
     main_sched = procfs.main_thread_sched(pid, proc_root) if role in STEPPING_ROLES else (None, None)
+    # Bytes read: start-up progress where the CPU idles (weight loading from slow storage). Unreadable
+    # without ptrace access over another user's process: None, and no failure (the classifier says so).
+    io = procfs.read_io(pid, proc_root)
     sample = ProcessSample(
         pid=pid,
         ppid=stat.ppid if stat else 0,
@@ -154,6 +157,8 @@ def sample_process(
         main_runq_s=main_sched[1],
         cpu_limit=procfs.read_cpu_limit(pid, proc_root) if role in STEPPING_ROLES else None,
         exiting=stat is not None and (stat.exiting or _killed(stat, role, proc_root)),
+        io_rchar=io[0] if io is not None else None,
+        io_read_bytes=io[1] if io is not None else None,
     )
     return sample, tuple(failures)
 

@@ -24,6 +24,10 @@ MAX_MIB = float(1 << 20)  # sizes in MiB: 1 TiB
 PROBE_WINDOW_S = 300.0  # a probe run's longest window (wedgectl.collect.ebpf.MAX_WINDOW_S)
 PROBE_MAX_ENTRIES = 1 << 20  # entries per BPF map (the collector clamps to this)
 
+# A process's cumulative bytes read (/proc/PID/io's rchar and read_bytes): the kernel's u64 counters, of which a
+# sample keeps what a signed 64-bit integer holds (exabytes: a larger one is not a real count). A bundle holding
+# one outside 0 to this is refused.
+MAX_IO_BYTES = (1 << 63) - 1
 # Times in a bundle. 0 is a time not recorded (the model's default); the ceiling is the year 5138.
 MAX_UNIX_TIME = 1e11
 # Durations in a bundle (a process's cumulative CPU seconds included): 3,000 years of one CPU.
@@ -42,6 +46,8 @@ ENGINE_REPORT_MAX_FRAMES = 48  # frames per thread, innermost first (the innermo
 ENGINE_REPORT_MAX_STRING = 200  # every string is cut to this
 ENGINE_REPORT_MAX_REQUEST_ID = 128  # a request id is cut to this
 ENGINE_REPORT_MAX_REASONS = 16  # waiting_by_reason keys kept
+ENGINE_REPORT_MAX_NAME = 64  # a Worker's collective: its op and group names are cut to this
+ENGINE_REPORT_MAX_HISTORY = 8  # history entries kept, the newest (the writer keeps its last 5 writes)
 # Nesting the reader accepts (the schema's deepest is 5: report, stacks, threads, a thread, frames, a frame);
 # anything deeper is malformed before json parses it, so a file of brackets costs one linear scan.
 ENGINE_REPORT_MAX_DEPTH = 8

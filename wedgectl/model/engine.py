@@ -69,6 +69,17 @@ def _list(v: Any, cap: int) -> list[Any]:
     return v[:cap] if isinstance(v, list) else []
 
 
+def _history(v: Any) -> tuple[tuple[int, ...], ...]:
+    """A report's `history`: its writer's last writes as (written_mono_ns, steps, model_steps), oldest
+    first, the newest ENGINE_REPORT_MAX_HISTORY kept; an entry that is not three counts is dropped."""
+    out: list[tuple[int, ...]] = []
+    for entry in v[-B.ENGINE_REPORT_MAX_HISTORY:] if isinstance(v, list) else ():
+        ns, steps, model = (_int(x) for x in entry) if isinstance(entry, list) and len(entry) == 3 else (None,) * 3
+        if ns is not None and steps is not None and model is not None:
+            out.append((ns, steps, model))
+    return tuple(out)
+
+
 def _to_dict(obj: Any) -> Any:
     """A report's part as the schema's JSON (the dataclasses' fields are the schema's keys)."""
     if hasattr(obj, "__dataclass_fields__"):
@@ -146,7 +157,8 @@ class RequestSample:
     output_tokens: int | None = None
     blocks_held: int | None = None
     blocks_needed: int | None = None
-    client_connected: bool | None = None
+    client_connected: bool | None = None  # API server: its client waits (True) or went (False); None: unknown
+    disconnected_s: float | None = None  # API server: seconds since its client went, where it did
 
     @classmethod
     def from_dict(cls, d: Any) -> RequestSample | None:
@@ -156,7 +168,8 @@ class RequestSample:
             return None
         return cls(rid, _str(d.get("state")) or "", _num(d.get("age_s"), 0.0, B.MAX_DURATION_S),
                    _int(d.get("prompt_tokens")), _int(d.get("output_tokens")), _int(d.get("blocks_held")),
-                   _int(d.get("blocks_needed")), _bool(d.get("client_connected")))
+                   _int(d.get("blocks_needed")), _bool(d.get("client_connected")),
+                   _num(d.get("disconnected_s"), 0.0, B.MAX_DURATION_S))
 
     def never_fits(self, kv: KvBlocks | None) -> bool:
         """It needs more KV blocks than the whole pool can ever give one request: no amount of freeing admits
@@ -167,19 +180,48 @@ class RequestSample:
 
 
 @dataclass(frozen=True)
+class RankCollective:
+    """The last collective a Worker rank entered or left (the plugin wraps vLLM's GroupCoordinator): its op
+    ("all_reduce", "broadcast_tensor_dict", ...), its group as vLLM names it ("tp", "pp", "world"), the rank's
+    own count of collectives up to it, since when (CLOCK_MONOTONIC ns: entered while inside, else returned)
+    and whether the rank is inside it still. A collective inside a compiled or captured graph runs no Python
+    and is never one."""
+
+    op: str
+    group: str | None = None
+    seq: int | None = None
+    since_mono_ns: int | None = None
+    inside: bool | None = None
+
+    @classmethod
+    def from_dict(cls, d: Any) -> RankCollective | None:
+        if not isinstance(d, dict):
+            return None
+        op = _str(d.get("op"), B.ENGINE_REPORT_MAX_NAME)
+        if not op:
+            return None
+        return cls(op, _str(d.get("group"), B.ENGINE_REPORT_MAX_NAME), _int(d.get("seq")),
+                   _int(d.get("since_mono_ns")), _bool(d.get("inside")))
+
+
+@dataclass(frozen=True)
 class EngineRank:
-    """A Worker's place in the parallel groups."""
+    """A Worker's place in the parallel groups; where the writer has them (optional), its own execute_model
+    steps and its last collective."""
 
     tp: int | None = None
     pp: int | None = None
     dp: int | None = None
     world_size: int | None = None
+    steps: int | None = None
+    collective: RankCollective | None = None
 
     @classmethod
     def from_dict(cls, d: Any) -> EngineRank | None:
         if not isinstance(d, dict):
             return None
-        return cls(_int(d.get("tp")), _int(d.get("pp")), _int(d.get("dp")), _int(d.get("world_size")))
+        return cls(_int(d.get("tp")), _int(d.get("pp")), _int(d.get("dp")), _int(d.get("world_size")),
+                   _int(d.get("steps")), RankCollective.from_dict(d.get("collective")))
 
 
 @dataclass(frozen=True)
@@ -250,6 +292,12 @@ class EngineReport:
     requests: tuple[RequestSample, ...] = ()
     rank: EngineRank | None = None
     stacks: EngineStacks | None = None
+    # Optional (schema 1 reports before it have none): the writer's last writes, oldest first, this one last,
+    # each (written_mono_ns, steps, model_steps); read through step_history.
+    history: tuple[tuple[int, ...], ...] = ()
+    # Optional, API server: its requests' clients, counted over all it tracks ({"connected": n, "gone": m}).
+    clients_connected: int | None = None
+    clients_gone: int | None = None
 
     @classmethod
     def from_dict(cls, d: Any) -> EngineReport | None:
@@ -270,13 +318,42 @@ class EngineReport:
             EngineStage.from_dict(d.get("stage")), _int(d.get("steps")), _int(d.get("model_steps")),
             _int(d.get("last_model_step_mono_ns")), SchedulerSummary.from_dict(d.get("scheduler")),
             _int(d.get("requests_total")), tuple(x for x in requests if x is not None),
-            EngineRank.from_dict(d.get("rank")), EngineStacks.from_dict(d.get("stacks")),
+            EngineRank.from_dict(d.get("rank")), EngineStacks.from_dict(d.get("stacks")), _history(d.get("history")),
+            clients_connected=_int(_obj(d.get("clients")).get("connected")),
+            clients_gone=_int(_obj(d.get("clients")).get("gone")),
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """The report as the schema's JSON object."""
+        """The report as the schema's JSON object (an empty history left out, as a report without one)."""
         out: dict[str, Any] = _to_dict(self)
+        if not self.history:
+            del out["history"]
+        rank = out.get("rank")
+        if isinstance(rank, dict):  # a rank without the optional parts reads back as it was written
+            for key in ("steps", "collective"):
+                if rank[key] is None:
+                    del rank[key]
+        for q in out["requests"]:  # optional, the API server's: left out where unknown, as the writer does
+            if q.get("disconnected_s") is None:
+                q.pop("disconnected_s", None)
+        connected, gone = out.pop("clients_connected"), out.pop("clients_gone")
+        if connected is not None or gone is not None:
+            out["clients"] = {"connected": connected, "gone": gone}
         return out
+
+    @property
+    def step_history(self) -> tuple[tuple[int, int], ...]:
+        """(written_mono_ns, steps) of the writes its history holds, oldest first: the newest
+        ENGINE_REPORT_MAX_HISTORY entries of three counts, each written after the one before and none after
+        this report (a bundle's report is hostile input too, and never went through from_dict)."""
+        out: list[tuple[int, int]] = []
+        for entry in self.history[-B.ENGINE_REPORT_MAX_HISTORY:]:
+            if len(entry) != 3 or not all(_int(x) is not None for x in entry):
+                continue
+            ns, steps = entry[0], entry[1]
+            if ns <= self.written_mono_ns and (not out or ns > out[-1][0]):
+                out.append((ns, steps))
+        return tuple(out)
 
     @property
     def period_s(self) -> float:

@@ -205,6 +205,13 @@ class ProcessSample:
     # not yet a zombie; its state reads R, D or S meanwhile (procfs.ProcessStat.exiting). For the
     # EngineCore and Workers also a SIGKILL pending that no thread has run yet (procfs.kill_pending).
     exiting: bool = False
+    # Bytes it has read, from /proc/PID/io (read for its own processes, or with ptrace access over
+    # it): rchar counts every read(2)-family call's bytes (page cache, pipes and sockets included),
+    # read_bytes what it had the block layer fetch from storage (a load through mmap shows here).
+    # Start-up progress in weight loading and compile, where the CPU can idle. None: not readable
+    # (another user's process without CAP_SYS_PTRACE), or an older bundle.
+    io_rchar: int | None = None
+    io_read_bytes: int | None = None
 
     @property
     def cpu_s(self) -> float:

@@ -191,11 +191,15 @@ def _build(cls: type, data: Any, path: str = "") -> Any:
 # that every float of the model is one or the other.
 TIME_FIELDS = frozenset({"t", "created", "started", "ended", "wait_started", "written_unix"})
 _SIGNED_SECONDS = frozenset({"clock_offsets_s"})
+# A process's cumulative bytes read (/proc/PID/io): 0 up to bounds.MAX_IO_BYTES, what the collector keeps.
+BYTE_COUNTER_FIELDS = frozenset({"io_rchar", "io_read_bytes"})
 
 
 def _check_range(name: str, value: Any, path: str) -> None:
     if name in TIME_FIELDS:
         lo, hi, what = 0.0, bounds.MAX_UNIX_TIME, "a unix time"
+    elif name in BYTE_COUNTER_FIELDS:
+        lo, hi, what = 0, bounds.MAX_IO_BYTES, "a count of bytes"
     elif name.endswith("_s"):
         lo, hi, what = (-bounds.MAX_DURATION_S if name in _SIGNED_SECONDS else 0.0), bounds.MAX_DURATION_S, "seconds"
     else:

@@ -80,25 +80,35 @@ def reap(llm: Any, request_id: str) -> bool:
     return True
 
 
+def around_generate(original, started=None, ended=None):
+    """A wrapper of AsyncLLM.generate (an async generator of a request's outputs): `started(self, request_id)`
+    before it runs, `ended(self, request_id, finished)` however it ends (finished: its request's last output
+    was yielded; False when its handler was cancelled by a disconnect, the generator closed, or an error)."""
+    async def generate(self, *args, **kwargs):
+        request_id = request_id_of(args, kwargs)
+        if request_id is not None and started is not None:
+            started(self, request_id)
+        done = False
+        try:
+            async for out in original(self, *args, **kwargs):
+                done = done or bool(getattr(out, "finished", False))
+                yield out
+            done = True
+        finally:
+            if request_id is not None and ended is not None:
+                ended(self, request_id, done)
+
+    return generate
+
+
 def _patch_generate() -> bool:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    def make(original):
-        async def generate(self, *args, **kwargs):
-            request_id = request_id_of(args, kwargs)
-            done = False
-            try:
-                async for out in original(self, *args, **kwargs):
-                    done = done or bool(getattr(out, "finished", False))
-                    yield out
-                done = True
-            finally:
-                if not done and request_id is not None:
-                    reap(self, request_id)
+    def on_end(llm: Any, request_id: str, finished: bool) -> None:
+        if not finished:
+            reap(llm, request_id)
 
-        return generate
-
-    return patch_method(AsyncLLM, "generate", make)
+    return patch_method(AsyncLLM, "generate", lambda original: around_generate(original, ended=on_end))
 
 
 def _publish_counter() -> bool:

@@ -25,11 +25,18 @@ What each process reports, and the hooks that keep its stage:
   no lock); steps and model steps from the status record's writer.
 * Worker: "starting" (phases from ``WorkerWrapperBase``'s start-up calls),
   "execute_model" (``WorkerWrapperBase.execute_model``, and ``sample_tokens``),
-  "idle" between them, "shutting_down"; its tp/pp/dp rank.
+  "idle" between them, "shutting_down"; its tp/pp/dp rank, its own step count
+  (``execute_model`` calls) and the last collective it entered or left
+  (``GroupCoordinator``'s collectives, ``wedge_engine/collectives.py``).
 * API server: "serving", then "shutting_down" (the uvicorn server's ``shutdown``,
-  as the shutdown fix hooks it). No request samples yet. Its report starts when
-  ``AsyncLLM.__init__`` runs (before the engine is launched): vLLM's helper
-  subprocesses load the plugin as an API server too, and must not report.
+  as the shutdown fix hooks it); the requests its OutputProcessor tracks (the
+  engine's ids), each with whether its client is still connected: a request's
+  ``AsyncLLM.generate`` runs while its client waits (vLLM cancels the handler on a
+  disconnect), so a tracked request whose generator ended before it finished has
+  no client (``client_connected`` false, ``disconnected_s`` since when): a ghost
+  the engine still runs. Its report starts when ``AsyncLLM.__init__`` runs (before
+  the engine is launched): vLLM's helper subprocesses load the plugin as an API
+  server too, and must not report.
 
 Its wrappers are tagged (``patch_method(..., tag="report")``): they go on top of
 the other fixes' wrappers of the same methods and never keep one out.
@@ -46,7 +53,7 @@ import weakref
 from concurrent.futures import Future
 from typing import Any
 
-from wedge_engine import report
+from wedge_engine import collectives, report
 from wedge_engine.capability import AnyOf, Need, Needs, holds
 from wedge_engine.fixes import _common
 from wedge_engine.fixes._common import patch_method
@@ -64,6 +71,11 @@ INIT_FROM_CONFIG = Needs(_EXEC, "Executor.initialize_from_config", ("self", "kv_
                          "KV cache set-up (and, before 0.32, the warm-up)")
 REASONS = Needs("vllm.v1.metrics.stats", "SchedulerStats.num_skipped_waiting_reqs", None,
                 "waiting_by_reason (capacity / deferred)")
+COLLECTIVES = Needs("vllm.distributed.parallel_state", "GroupCoordinator.all_reduce", ("self",),
+                    "worker's last collective (GroupCoordinator's collectives, those it has)")
+TRACK_CLIENTS = Needs("vllm.v1.engine.async_llm", "AsyncLLM.generate",
+                      ("self", "prompt", "sampling_params", "request_id"),
+                      "API server requests and whether each one's client is connected")
 # What it wraps in vLLM (capability.py).
 REQUIRES: tuple[Need, ...] = (
     _common.STEP_RECORDER,
@@ -88,7 +100,9 @@ OPTIONAL: tuple[Need, ...] = (
           "worker start-up phases and sample_tokens (calls the wrapper passes to its worker)"),
     Needs(_WORKER, "WorkerWrapperBase.shutdown", ("self",), "worker stage shutting_down"),
     Needs("vllm.distributed.parallel_state", "_TP", None, "worker rank"),
+    COLLECTIVES,
     _common.ASYNC_LLM_INIT,
+    TRACK_CLIENTS,
     AnyOf((Needs("vllm.entrypoints.launchers.launcher", "NoSignalServer.shutdown"),
            Needs("vllm.entrypoints.launcher", "serve_http")), "API server stage shutting_down"),
 )
@@ -111,6 +125,12 @@ stage = report.Stage("starting")
 _reporter: report.Reporter | None = None
 _writer: report.ReportWriter | None = None
 _engine_ref: Any = None  # weakref to the EngineCore, once a hook has seen it
+_llm_ref: Any = None  # API server: weakref to the AsyncLLM, once built
+# API server: the request generators running (external id -> monotonic start: a client waits on each), and those
+# that ended before their request finished (external id -> monotonic end), oldest dropped past MAX_GONE.
+_live: dict[str, float] = {}
+_gone: dict[str, float] = {}
+MAX_GONE = 4096
 _reasons_known = False
 
 
@@ -234,6 +254,72 @@ def engine_fields() -> dict:
     return out
 
 
+def client_state(external_id: str, now: float) -> tuple[bool | None, float | None]:
+    """(connected, seconds since it went) for a request's client, by its external id: True while its generator
+    runs, False once it ended before the request finished, None for a request no generator was seen for."""
+    if external_id in _live:
+        return True, None
+    ended = _gone.get(external_id)
+    return (False, round(max(0.0, now - ended), 3)) if ended is not None else (None, None)
+
+
+def api_fields() -> dict:
+    """The API server's part of the report: the requests its OutputProcessor tracks, the ones whose client is gone
+    first (then oldest first), each with its engine id, its age and its client's state; and the counts."""
+    import time
+
+    llm = _llm_ref() if _llm_ref is not None else None
+    states = getattr(getattr(llm, "output_processor", None), "request_states", None)
+    if states is None:
+        return {}
+    now, now_unix = time.monotonic(), time.time()
+    samples = []
+    gone = connected = 0
+    for state in copy_items(getattr(states, "values", lambda: ())()):
+        external = getattr(state, "external_req_id", None) or getattr(state, "request_id", "")
+        is_connected, since = client_state(external if isinstance(external, str) else "", now)
+        gone += is_connected is False
+        connected += is_connected is True
+        arrival = getattr(getattr(state, "stats", None), "arrival_time", None)
+        samples.append({
+            "id": report.clip(getattr(state, "request_id", "?"), report.MAX_ID),
+            "state": "in_flight",
+            "age_s": round(max(0.0, now_unix - arrival), 3) if isinstance(arrival, (int, float)) else None,
+            "prompt_tokens": _int_or_none(getattr(state, "prompt_len", None)),
+            "output_tokens": None, "blocks_held": None, "blocks_needed": None,
+            "client_connected": is_connected, "disconnected_s": since,
+        })
+    samples.sort(key=lambda q: (q["client_connected"] is not False, -(q["age_s"] or 0.0)))
+    return {"requests_total": len(samples), "clients": {"connected": connected, "gone": gone},
+            "requests": samples[: report.MAX_REQUESTS]}
+
+
+def tracking(original):
+    """A maker for patch_method on AsyncLLM.generate: while it runs its client waits; one that ends before its
+    request finished (the handler cancelled by a disconnect, the generator closed) marks the client gone."""
+    import time
+
+    from wedge_engine.fixes.reaper import around_generate
+
+    def started(_llm: Any, rid: str) -> None:
+        _live[rid] = time.monotonic()
+
+    def ended(_llm: Any, rid: str, finished: bool) -> None:
+        _live.pop(rid, None)
+        if not finished:
+            while len(_gone) >= MAX_GONE:
+                _gone.pop(next(iter(_gone)), None)
+            _gone[rid] = time.monotonic()
+
+    return around_generate(original, started, ended)
+
+
+def _track_generate() -> bool:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return patch_method(AsyncLLM, "generate", tracking, TAG)
+
+
 def read_rank() -> dict | None:
     """The worker's tp/pp/dp rank and world size from vLLM's parallel_state; None before it is set up."""
     try:
@@ -252,13 +338,15 @@ def read_rank() -> dict | None:
 
 
 _rank: dict | None = None
+# A Worker's own steps and last collective (collectives.py): the wrappers write it, the report thread reads it.
+ranks = collectives.RankRecord()
 
 
 def worker_fields() -> dict:
     global _rank
     if _rank is None:
         _rank = read_rank()
-    return {"rank": _rank}
+    return {"rank": None if _rank is None else {**_rank, **ranks.snapshot()}}
 
 
 # ------------------------------------------------------------------ the stage hooks
@@ -387,6 +475,34 @@ def _then_idle(name: str, phase: str | None):
     return wrap
 
 
+def _counting_steps(wrap):
+    """execute_model's wrap: as _then_idle, and the rank's own step count goes up as it enters."""
+
+    def counted(fn):
+        staged = wrap(fn)
+
+        def step(*args, **kwargs):
+            ranks.step()
+            return staged(*args, **kwargs)
+
+        return step
+
+    return counted
+
+
+def _install_collectives() -> list[str]:
+    """Record the last collective this Worker entered or left: GroupCoordinator's collective methods, those the
+    release has (collectives.OPS)."""
+    if not holds(COLLECTIVES):
+        return []
+    from vllm.distributed.parallel_state import GroupCoordinator
+
+    compiling = collectives.compiling_check()
+    wrapped = [name for name, op in collectives.OPS.items() if hasattr(GroupCoordinator, name)
+               and patch_method(GroupCoordinator, name, collectives.recording(op, ranks, compiling), TAG)]
+    return [f"GroupCoordinator collectives ({len(wrapped)})"] if wrapped else []
+
+
 def _install_worker() -> list[str]:
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
@@ -394,11 +510,14 @@ def _install_worker() -> list[str]:
     own = {"execute_model": ("execute_model", None), **WORKER_CALLS}
     passed_on = {}
     for call, (name, phase) in own.items():
+        wrap = _then_idle(name, phase)
+        if call == "execute_model":
+            wrap = _counting_steps(wrap)
         if hasattr(WorkerWrapperBase, call):  # its own method (or a fault's stand-in for one): wrap it there
-            if patch_method(WorkerWrapperBase, call, _then_idle(name, phase), TAG):
+            if patch_method(WorkerWrapperBase, call, wrap, TAG):
                 done.append(f"WorkerWrapperBase.{call}")
         else:  # passed on to the worker by WorkerWrapperBase.__getattr__
-            passed_on[call] = _then_idle(name, phase)
+            passed_on[call] = wrap
     if passed_on and hasattr(WorkerWrapperBase, "__getattr__"):
         def make_getattr(original):
             def __getattr__(self, attr):
@@ -413,7 +532,7 @@ def _install_worker() -> list[str]:
     if hasattr(WorkerWrapperBase, "shutdown") and patch_method(
             WorkerWrapperBase, "shutdown", _entering("shutting_down"), TAG):
         done.append("WorkerWrapperBase.shutdown")
-    return done
+    return done + _install_collectives()
 
 
 def _install_api() -> list[str]:
@@ -460,11 +579,14 @@ def _start_with_async_llm() -> bool:
 
     def make(original):
         def __init__(self, *args, **kwargs):
+            global _llm_ref
             try:
                 _start_writer()
             except Exception:
                 logger.exception("wedge_engine report: could not start the report thread")
-            return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
+            _llm_ref = weakref.ref(self)
+            return result
 
         return __init__
 
@@ -486,6 +608,9 @@ def activate(settings: Any, role: str) -> str | None:
     if role == "api":
         stage.enter("serving")
         done += _install_api()
+        if holds(TRACK_CLIENTS) and _track_generate():
+            done.append("AsyncLLM.generate (clients)")
+        collect = api_fields
     elif role == "engine":
         _common.status_writer()  # opened here, on the engine's thread, before the report thread reads it
         _reasons_known = holds(REASONS)
@@ -509,12 +634,16 @@ def is_active() -> bool:
 
 def deactivate() -> None:
     """Stop the thread and remove the report (tests)."""
-    global _writer, _reporter, _engine_ref, _rank
+    global _writer, _reporter, _engine_ref, _rank, _llm_ref
     if _writer is not None:
         _writer.close()
     _writer = _reporter = None
     _engine_ref = None
+    _llm_ref = None
+    _live.clear()
+    _gone.clear()
     _rank = None
+    ranks.reset()
     stage.enter("starting")
 
 

@@ -1,5 +1,5 @@
-"""Pure parsers of /proc text: stat, wchan, syscall (with futex(2)'s numbers and ops), status, sched
-and schedstat. Each takes the text of one file, so unit tests feed recorded text."""
+"""Pure parsers of /proc text: stat, wchan, syscall (with futex(2)'s numbers and ops), status, sched,
+schedstat and io. Each takes the text of one file, so unit tests feed recorded text."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import platform
 from dataclasses import dataclass
 
 from wedgectl.collect.procfs._files import CLK_TCK
+from wedgectl.model import bounds
 from wedgectl.model.types import ThreadSample
 
 # (futex, restart_syscall) numbers per architecture, from the kernel's syscall tables.
@@ -215,3 +216,19 @@ def parse_schedstat(text: str) -> tuple[int, int, int] | None:
         return int(a), int(b), int(c)
     except ValueError:
         return None
+
+
+def parse_io(text: str) -> tuple[int, int] | None:
+    """(rchar, read_bytes) from a /proc/PID/io file: bytes read through read(2) and its kin, and bytes
+    fetched from storage. None when either is missing, not a decimal or past bounds.MAX_IO_BYTES."""
+    found: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("rchar", "read_bytes"):
+            value = value.strip()
+            if not (value.isascii() and value.isdigit()) or len(value) > 19 or int(value) > bounds.MAX_IO_BYTES:
+                return None
+            found[key] = int(value)
+    if len(found) != 2:
+        return None
+    return found["rchar"], found["read_bytes"]

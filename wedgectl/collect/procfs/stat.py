@@ -1,5 +1,5 @@
-"""One process as /proc shows it: its stat line, resident memory, owner, start time and open files,
-and the host's boot time."""
+"""One process as /proc shows it: its stat line, resident memory, bytes read, owner, start time and open
+files, and the host's boot time."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from wedgectl.collect._failures import failure_from_oserror
 from wedgectl.collect.procfs._files import CLK_TCK, COLLECTOR, PAGE_SIZE, PROC, read_text, readlinks
-from wedgectl.collect.procfs.parse import parse_stat
+from wedgectl.collect.procfs.parse import parse_io, parse_stat
 from wedgectl.model.types import CollectorFailure, FailureKind
 
 PF_EXITING = 0x4  # include/linux/sched.h: set as do_exit() begins
@@ -158,6 +158,19 @@ def read_rss(pid: int, proc_root: Path = PROC) -> int | None:
         fields = read_text(proc_root / str(pid) / "statm").split()
         return int(fields[1]) * PAGE_SIZE
     except (OSError, ValueError, IndexError):
+        return None
+
+
+def read_io(pid: int, proc_root: Path = PROC) -> tuple[int, int] | None:
+    """(rchar, read_bytes): the bytes `pid` has read through read(2) and its kin, and those it had fetched
+    from storage (/proc/PID/io, one small read). The kernel lets a reader see it only with ptrace access
+    (PTRACE_MODE_READ: the process's own user, which Yama's ptrace_scope does not restrict, or
+    CAP_SYS_PTRACE); otherwise, or once the process is gone, None: never an error, since whoever could
+    not read it still has the rest of the sample. The read waits only for an execve under way in the
+    target (its exec_update_lock), as the thread syscall reads do."""
+    try:
+        return parse_io(read_text(f"{proc_root}/{pid}/io"))
+    except OSError:
         return None
 
 
