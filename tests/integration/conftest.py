@@ -168,6 +168,8 @@ class KeptWedge:
             self.out: dict = json.loads(proc.stdout)
         except ValueError:
             pytest.fail(f"repro --keep printed no JSON (rc {proc.returncode}): {proc.stderr[-3000:]}")
+        if "pid" not in self.out:  # an error's JSON: say it, and what the command printed on the way
+            pytest.fail(f"repro {name} --keep failed (rc {proc.returncode}): {self.out} {proc.stderr[-3000:]}")
         self.pid: int = self.out["pid"]
         self.url: str = self.out["url"]
         self.stopped = False

@@ -9,11 +9,14 @@ and `swap` can build and install it from a wheel install as from a clone.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import tempfile
+import time
 import tomllib
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -192,10 +195,39 @@ def ensure_engine_plugin(python: Path, progress: Callable[[str], None], env: dic
     interpreter's absolute path, pip isolated (run_python).
     """
     python = Path(interpreter(python))
+    marker = _marker(python)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    # One install at a time into one environment: two repros started together would otherwise both
+    # --force-reinstall, one pip removing the files the other's server is importing.
+    with _locked(marker.with_suffix(".lock"), PIP_TIMEOUT_S + 60):
+        _ensure_locked(python, marker, progress, env, run_as)
+
+
+@contextmanager
+def _locked(path: Path, wait_s: float) -> Iterator[None]:
+    """An exclusive flock on `path` (created 0600), waited for at most `wait_s`: past it, PluginInstallError."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise PluginInstallError(f"another install of the engine plugin held {path} for over "
+                                             f"{wait_s:.0f} s") from None
+                time.sleep(0.2)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _ensure_locked(python: Path, marker: Path, progress: Callable[[str], None], env: dict[str, str] | None,
+                   run_as: Credentials | None) -> None:
     source = engine_source()
     want = engine_version(source)
     digest = engine_source_hash(source)
-    marker = _marker(python)
     noted = marker.read_text().strip() if marker.exists() else ""
     if (installed_version(python, env, run_as) == want and noted == digest
             and not os.environ.get("WEDGECTL_REINSTALL_ENGINE")):
