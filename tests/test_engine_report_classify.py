@@ -81,6 +81,27 @@ def test_a_stale_report_does_not_decide_but_is_said():
     assert line.source == "engine" and "not running Python" in line.what
 
 
+def _engine_core_as(b: Bundle, state: str, cores: float) -> Bundle:
+    """The capture with its EngineCore in `state` at every sample, using `cores` of CPU over the window."""
+    pid, t0 = pid_of(b, Role.ENGINE_CORE), b.samples[0].t
+    def one(s):
+        return replace(s, processes=tuple(replace(p, state=state, cpu_user_s=cores * (s.t - t0), cpu_system_s=0.0)
+                                          if p.pid == pid else p for p in s.processes))
+    return replace(b, samples=tuple(one(s) for s in b.samples))
+
+
+def test_a_stale_report_says_why_no_python_runs_where_the_samples_tell():
+    """Stopped (state T), spinning in native code (CPU used), or neither: the line says which the samples show."""
+    said = {}
+    for state, cores in (("T", 0.0), ("R", 1.0), ("S", 0.0)):
+        v = classify(_engine_core_as(deadlocked(load("engine-deadlock"), age_s=9.0), state, cores))
+        line = next(e for e in v.evidence if "not rewritten" in e.what)
+        said[state] = (line.values["why"], line.what)
+    assert said["T"][0] == "stopped" and "the process is stopped, state T" in said["T"][1], said["T"]
+    assert said["R"][0] == "native" and "native code with the GIL held: 1.00 cores" in said["R"][1], said["R"]
+    assert said["S"][0] in ("blocked", "no_cpu"), said["S"]  # the recorded run delay decides which
+
+
 def test_a_stepping_engine_is_not_stuck_in_its_stage():
     b = load("engine-deadlock")
     pid = pid_of(b, Role.ENGINE_CORE)

@@ -88,12 +88,40 @@ def stale_evidence(f: Facts) -> tuple[Evidence, ...]:
     for r in ef.stale_readings(f.samples):
         rep = r.report
         assert rep is not None and r.age_s is not None
+        why, reason = _why_silent(f, r.pid)
         out.append(Evidence(SOURCE, f"{_who(f, r)}'s report not rewritten for {fmt_duration(r.age_s)} (every "
                             f"{rep.period_s:g} s) while the process lives: its threads are not running Python "
-                            "(the GIL held in native code, the process stopped, or no CPU)",
-                            values={"pid": r.pid, "report_age_s": round(r.age_s, 1),
-                                    "stage": rep.stage_name}))
+                            f"({why})", values={"pid": r.pid, "report_age_s": round(r.age_s, 1),
+                                                "stage": rep.stage_name, "why": reason}))
     return tuple(out)
+
+
+SILENT_SPINS_CORES = 0.5  # a silent process using this much CPU runs native code with the GIL held
+SILENT_QUEUED_SHARE = 0.5  # its main thread runnable off a CPU this share of the window: it is given no CPU
+
+
+def _why_silent(f: Facts, pid: int) -> tuple[str, str]:
+    """Why no Python runs in a process, where its samples say: (the words, a key). Stopped (state T or t:
+    SIGSTOP, or a tracer holding it), running native code with the GIL held (it uses CPU), queued for a CPU
+    it is not given (schedstat's run delay), or in uninterruptible sleep; else the three it may be."""
+    seen = [(s.t, p) for s in f.samples for p in s.processes if p.pid == pid]
+    if not seen:
+        return "the GIL held in native code, the process stopped, or no CPU", "unknown"
+    (t0, first), (t1, last) = seen[0], seen[-1]
+    span = t1 - t0
+    cores = (last.cpu_s - first.cpu_s) / span if span > 0 else None
+    if last.state[:1] in ("T", "t"):
+        return f"the process is stopped, state {last.state[:1]}: a SIGSTOP or a tracer holds it", "stopped"
+    if cores is not None and cores >= SILENT_SPINS_CORES:
+        return f"it runs native code with the GIL held: {cores:.2f} cores over the window", "native"
+    if span > 0 and first.main_runq_s is not None and last.main_runq_s is not None and \
+            (last.main_runq_s - first.main_runq_s) >= SILENT_QUEUED_SHARE * span:
+        return (f"its main thread waited for a CPU {last.main_runq_s - first.main_runq_s:.1f} s of "
+                f"{span:.1f} s: it is given no CPU"), "no_cpu"
+    if last.threads and all(th.state[:1] == "D" for th in last.threads):
+        return "all its threads in uninterruptible sleep (state D)", "uninterruptible"
+    used = "" if cores is None else f"{cores:.2f} cores; "
+    return f"{used}the GIL held by a thread blocked in native code, or the process given no CPU", "blocked"
 
 
 def unread_evidence(f: Facts) -> Evidence | None:
