@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,8 +25,8 @@ from wedgectl.collect import procread, pyspy
 from wedgectl.collect.processes import name_cmdline, sample_process
 from wedgectl.collect.scrape import probe_health, scrape_metrics
 from wedgectl.lab.lifecycle import health_client, health_status
-from wedgectl.collect.control import (TOOL_KILL_WAIT_S, ChildError, ChildTimeout, Delivery, Signal, Stream,
-                                       handle_signals, run_bounded, spawn)
+from wedgectl.collect.control import (TOOL_KILL_WAIT_S, ChildError, ChildTimeout, Delivery, Finished, Signal, Stream,
+                                       handle_signals, run_bounded, spawn, stop_running_tools)
 from wedgectl.model.types import FailureKind, Role
 
 
@@ -247,3 +248,54 @@ def test_local_http_ignores_proxy_variables(monkeypatch):
         srv.shutdown()
         srv.server_close()
 
+
+
+def test_a_tool_still_running_at_exit_is_killed_not_left_behind(tmp_path):
+    """A capture that stops waiting for a tool (the window over while a stack burst still runs) leaves it on a
+    daemon thread; at exit wedgectl kills it: a py-spy --native left behind would hold its target stopped. A real
+    process whose daemon thread runs `sleep 60` under run_bounded exits at once, and the sleep with it."""
+    pidfile = tmp_path / "pid"
+    script = (
+        "import threading, time, sys\n"
+        "from wedgectl.collect.control import run_bounded\n"
+        "threading.Thread(target=run_bounded, args=(['sh', '-c', 'echo $$ > %s; exec sleep 60'],),\n"
+        "                 kwargs={'timeout': 60}, daemon=True).start()\n"
+        "deadline = time.monotonic() + 30\n"
+        "import os\n"
+        "while not os.path.exists(%r) and time.monotonic() < deadline: time.sleep(0.05)\n" % (pidfile, str(pidfile)))
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", script], timeout=60, check=True, cwd=Path(__file__).parents[1])
+    assert time.monotonic() - started < 30  # it did not wait out the tool's minute
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_stop_running_tools_ends_what_run_bounded_runs_and_nothing_else():
+    """Only the tools run_bounded started: a child started otherwise is not its to end."""
+    other = subprocess.Popen(["sleep", "30"])
+    done: list[object] = []
+    t = threading.Thread(target=lambda: done.append(_try_run(["sleep", "30"])), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not any(c.cmdline()[:1] == ["sleep"] and c.pid != other.pid for c in psutil.Process().children()) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        assert stop_running_tools() == 1
+        t.join(timeout=10)
+        assert done and isinstance(done[0], Finished) and done[0].returncode == -signal.SIGKILL
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+def _try_run(cmd: list[str]) -> object:
+    try:
+        return run_bounded(cmd, timeout=30)
+    except Exception as exc:  # noqa: BLE001 - the test reads what came back
+        return exc

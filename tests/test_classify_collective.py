@@ -275,3 +275,30 @@ def test_reports_without_the_ranks_own_parts_add_nothing():
     lines = _engine_lines(classify(with_rank_reports(b, _rank(0, None, ahead), _rank(1, None, None))))
     assert lines[0].endswith("steps not counted; inside barrier #3 on tp")  # no duration from a bad clock
     assert lines[1].endswith("steps not counted; no collective recorded")
+
+
+def _paused_by_our_dumps(b: Bundle, native: bool) -> Bundle:
+    """The recorded --native capture, longer: after its first interval (rank 0 spinning) two more samples 3 s apart
+    in which rank 0 ran not at all, stopped by the native dumps taken then (state t), as on a loaded host where each
+    takes seconds. `native=False`: the same numbers with the dumps marked non-blocking."""
+    first, second = b.samples[0], b.samples[1]
+    rank0 = min(p.pid for p in second.processes if p.role is Role.WORKER)
+    dumps = tuple(replace(d, native=native) for d in first.stacks)
+
+    def later(k: int) -> object:
+        procs = tuple(replace(p, state="t") if p.pid == rank0 else p for p in second.processes)
+        return replace(second, t=second.t + 3.0 * k, processes=procs, stacks=dumps)
+    return replace(b, samples=(replace(first, stacks=dumps), second, later(1), later(2)))
+
+
+def test_a_rank_our_native_dumps_paused_is_judged_by_the_interval_it_ran():
+    """--native stops each process for its dump: over the window rank 0's mean is 0.45 / 7 s (~0.06 cores, parked by
+    the numbers), but in the interval it ran it spun (0.45 cores in 1 s, and runnable there); that interval stands
+    for it, and the ranks are told apart as in the recorded capture. Without native dumps no interval is discounted."""
+    b = read_bundle(BUNDLES / "collective-hang-native.tar.gz")
+    v = classify(_paused_by_our_dumps(b, native=True))
+    assert (v.verdict, v.facts["lagging_ranks"], v.facts["waiting_ranks"]) == (VerdictKind.COLLECTIVE_HANG, [1], [0])
+    ranks = {r["label"]: r for r in v.facts["ranks"]}
+    assert ranks["TP0"]["cpu_cores"] == pytest.approx(0.45, abs=0.02) and ranks["TP1"]["cpu_cores"] < 0.05
+    plain = Facts(_paused_by_our_dumps(b, native=False))
+    assert plain.cpu_by_pid(Role.WORKER)[min(plain.cpu_by_pid(Role.WORKER))] < 0.1  # what the mean alone says

@@ -55,7 +55,7 @@ class RankView:
     parallel: dict[str, int]
     device: str  # "cuda:3" (the device node it holds), "cpu" with none
     state: str  # the process state letter at the last sample
-    cpu_cores: float | None  # mean cores over the window
+    cpu_cores: float | None  # mean cores over the window (a --native-dumped one: its fastest interval)
     group: str  # stacks.INSIDE / BEFORE / ELSEWHERE
     kind: str  # stacks.KIND_*: what its innermost telling frame is
     frame: str  # that frame
@@ -151,7 +151,7 @@ def rank_views(f: Facts) -> tuple[RankView, ...]:
     workers = f.workers
     if not workers:
         return ()
-    cpu = f.cpu_by_pid(Role.WORKER)
+    cpu = _unpaused_cores(f)
     from_log = _titles_from_log(f.bundle.log_lines) if any(not p.parallel_rank for p in workers) else {}
     parallel = [p.parallel_rank or from_log.get(p.pid, {}) for p in workers]
     ranks = _world_ranks(parallel)
@@ -165,6 +165,29 @@ def rank_views(f: Facts) -> tuple[RankView, ...]:
                               running_share=_runnable_share(f, p.pid)))
     views = _infer_inside(views)
     return tuple(sorted(views, key=lambda v: (v.rank is None, v.rank if v.rank is not None else v.pid)))
+
+
+PEAK_SPAN_S = 0.5  # the shortest interval between two samples whose CPU rate counts (clock ticks are 10 ms)
+
+
+def _unpaused_cores(f: Facts) -> dict[int, float]:
+    """Each Worker's cores over the window; for one that `--native` dumped, its fastest interval between two
+    samples instead, where that is more: py-spy --native stops the process for each dump (seconds, on a loaded
+    host), so its mean undercounts a rank that spins while it runs, and read parked, the spin-wait that tells
+    the rank waiting inside the collective from the one that never came is lost (an engine deadlock said)."""
+    cpu = f.cpu_by_pid(Role.WORKER)
+    paused = {d.pid for s in f.samples for d in s.stacks if d.native}
+    if not paused:
+        return cpu
+    series: dict[int, list[tuple[float, float]]] = {}
+    for t, p in f.processes_with_role(Role.WORKER):
+        if p.pid in paused:
+            series.setdefault(p.pid, []).append((t, p.cpu_s))
+    for pid, pts in series.items():
+        rates = [(c2 - c1) / (t2 - t1) for (t1, c1), (t2, c2) in zip(pts, pts[1:]) if t2 - t1 >= PEAK_SPAN_S]
+        if rates and max(rates) > cpu.get(pid, 0.0):
+            cpu[pid] = max(rates)
+    return cpu
 
 
 def _reported_position(f: Facts, pid: int) -> tuple[str, str, str, bool | None, tuple[str, ...]]:

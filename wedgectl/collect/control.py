@@ -10,6 +10,7 @@ start time checked, a pidfd where the kernel has them), never to whoever holds i
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import enum
 import logging
@@ -17,6 +18,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -197,6 +199,38 @@ def run_bounded(cmd: list[str], *, timeout: float, env: Mapping[str, str] | None
                      cwd=cwd, user=user, group=group, extra_groups=extra_groups)
     except subprocess.SubprocessError as exc:
         raise ChildError(str(exc)) from exc
+    with _tools_lock:
+        _tools.add(proc)
+    try:
+        return _finish_bounded(proc, cmd, timeout, kill_wait)
+    finally:
+        with _tools_lock:
+            _tools.discard(proc)
+
+
+# The tools run_bounded is running now (py-spy, bpftrace, ...): a capture that stops waiting for one (the
+# window over while an early stack burst still runs) leaves it to its own timeout, and stop_running_tools
+# ends them at exit.
+_tools: set[subprocess.Popen] = set()
+_tools_lock = threading.Lock()
+
+
+@atexit.register
+def stop_running_tools() -> int:
+    """SIGKILL every tool child still running: at exit, none outlives wedgectl. A `py-spy --native` dump holds
+    its target stopped (state t) while it unwinds, seconds on a loaded host: left behind, it would pause the
+    server after wedgectl had gone. Killed, the kernel detaches it and the target runs on. How many."""
+    with _tools_lock:
+        left = list(_tools)
+    killed = 0
+    for proc in left:
+        with contextlib.suppress(Exception):  # a test's stand-in for Popen, or reaped meanwhile
+            if signal_child(proc, signal.SIGKILL) is Delivery.SENT:
+                killed += 1
+    return killed
+
+
+def _finish_bounded(proc: subprocess.Popen, cmd: list[str], timeout: float, kill_wait: float) -> Finished:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -102,7 +102,8 @@ def dump_stacks(
 
     --nonblocking reads the target's memory while it runs. ``native=True`` needs
     the target stopped, so --nonblocking is dropped (and a warning logged): the
-    target pauses for the ~50 ms of the dump. Never raises; a failure is a
+    target stays stopped while py-spy unwinds it (0.3 s for a vLLM Worker on 2 idle
+    cores, measured; seconds on a loaded host). Never raises; a failure is a
     StackDump whose ``error`` starts with the FailureKind value.
     """
     if native:

@@ -373,7 +373,8 @@ class TopApp(App):
             self.notify("replaying a bundle: there is no live target to dump", severity="warning")
             return
         self.collector.request_stacks(native)
-        self.notify("native stack dump requested (pauses each process ~50 ms)" if native else "stack dump requested")
+        self.notify("native stack dump requested (pauses each process while py-spy unwinds it)" if native
+                    else "stack dump requested")
         if self._collect_loop is not None:
             self._collect_loop.now()
 

@@ -384,7 +384,7 @@ def stack_lines(dumps: Sequence[StackDump] | StackDump | None, tid: int | None, 
         if helper:
             return ["multiprocessing's helper process (the resource tracker): it runs none of the server's code,",
                     "so no stack dump covers it"]
-        return ["no stack dump yet: press d (Python) or D (native, pauses the target ~50 ms)"]
+        return ["no stack dump yet: press d (Python) or D (native, pauses the target while it unwinds)"]
     when = time.strftime("%H:%M:%S", time.localtime(dump.t))
     # The age in AGE_STEP_S steps: a line that changed every second redrew the whole stack view
     # every refresh (its time of day is exact).

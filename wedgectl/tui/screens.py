@@ -19,7 +19,7 @@ wedgectl top: a vLLM deployment and its live verdict, refreshed every few second
 
   s        save an evidence bundle (the window so far) in the save folder
   d        take a Python stack dump now (py-spy --nonblocking: never pauses the target)
-  D        take a native stack dump (py-spy --native pauses each process ~50 ms)
+  D        take a native stack dump (py-spy --native pauses each process while it unwinds)
   w        swap the deployment to the patched engine (shows the plan, asks first)
   p        pin the selected process's stack beside the next one you select:
            two ranks side by side (p on the pinned one unpins)
