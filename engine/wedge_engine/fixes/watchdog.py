@@ -157,7 +157,7 @@ def describe_stall(snap: status.StatusSnapshot, stalled_s: float, in_flight: int
                f"but none has run the model for {model_age:.1f} s")
     else:
         how = f"blocked: no engine step at all for {step_age:.1f} s (last model step {model_age:.1f} s ago)"
-    return (f"engine stalled: {in_flight} request(s) in flight or waiting and no model step or token completed "
+    return (f"engine stalled: {in_flight} request(s) in flight or waiting and no model step completed, no token made, "
             f"for {stalled_s:.1f} s (watchdog limit {_state.effective_limit_s:g} s; {snap.model_steps} model steps, "
             f"{snap.tokens} tokens so far); {how}. The wedge_engine watchdog failed the requests and turned "
             f"/health to 503 until the engine makes progress again")
