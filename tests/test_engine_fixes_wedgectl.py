@@ -20,6 +20,7 @@ from wedgectl.lab.patched import (
     ADMISSION_BOUND_S,
     Observation,
     evaluate,
+    heartbeat_stall,
     states_capacity,
 )
 from wedgectl.collect.control import free_port, stop_tree
@@ -65,6 +66,30 @@ def test_deadlock_needs_errors_and_health_503_within_the_watchdog_bound():
     hung = dataclasses.replace(ok, client=[{"error": "ReadTimeout: timed out", "elapsed_s": 120}])
     checks = by_name(evaluate("engine_deadlock", hung))
     assert not checks["watchdog error"].passed and not checks["every client answered"].passed
+
+
+def test_the_heartbeat_must_freeze_and_age_with_the_clock_before_the_watchdog():
+    """Readings every 0.5 s (time, steps, model steps, step age, model step age): three steps, then blocked."""
+    steps = [(0.0, 5, 3, 0.1, 0.1), (0.5, 6, 4, 0.1, 0.1), (1.0, 7, 5, 0.2, 0.2)]
+    blocked = [(1.0 + 0.5 * k, 7, 5, 0.2 + 0.5 * k, 0.2 + 0.5 * k) for k in range(1, 12)]
+    hb = heartbeat_stall(steps + blocked)
+    assert hb is not None and (hb["steps"], hb["model_steps"], hb["frozen_s"]) == (7, 5, 5.5)
+    assert hb["step_age_grew_s"] == hb["model_step_age_grew_s"] == 5.5 and hb["model_step_age_s"] == 5.7
+    reqs = [{"status": 503, "body": ERR_503, "elapsed_s": 8.4}] * 2
+    ok = Observation(client=reqs, health_503_after_s=8.7, exit_s=0.4, watchdog_s=8.0, heartbeat=hb)
+    checks = by_name(evaluate("engine_deadlock", ok))
+    assert checks["heartbeat ages while blocked"].passed and "frozen at 7 (5 with model work) for 5.5 s" in \
+        checks["heartbeat ages while blocked"].detail
+    # ages that stop growing (an engine still taking empty steps would reset the step age) fail it
+    stuck = heartbeat_stall(steps + [(t, 7, 5, 0.3, a) for t, _, _, _, a in blocked])
+    assert not by_name(evaluate("engine_deadlock", dataclasses.replace(ok, heartbeat=stuck)))[
+        "heartbeat ages while blocked"].passed
+    # seen frozen too briefly before the 503 says nothing
+    brief = heartbeat_stall(steps + blocked[:2])
+    assert not by_name(evaluate("engine_deadlock", dataclasses.replace(ok, heartbeat=brief)))[
+        "heartbeat ages while blocked"].passed
+    assert heartbeat_stall([]) is None and "heartbeat ages while blocked" not in by_name(
+        evaluate("engine_deadlock", dataclasses.replace(ok, heartbeat=None)))
 
 
 def test_shutdown_needs_an_error_after_sigterm_and_a_closed_upload():

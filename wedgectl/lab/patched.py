@@ -49,6 +49,8 @@ IDLE_S = 2.0
 # model on a loaded 2-core host (~20-40 s idle, up to ~90 s measured under load).
 STARTUP_S = 90.0
 STARTUP_SLACK_S = 60.0  # the API server's own start before its wait begins, and vLLM's teardown
+HEARTBEAT_FROZEN_S = 2.0  # the heartbeat must be seen frozen this long before the watchdog (8 s) answers 503
+HEARTBEAT_SLACK_S = 1.0  # its ages are the plugin's, read at each scrape: they may trail the scrape clock
 ORPHAN_BOUND_S = 10.0  # the parent watch polls every 1 s, then gives SIGTERM 5 s before it kills
 STARTUP_FAILED_LINE = "wedge_engine: start-up did not finish within"
 
@@ -79,6 +81,7 @@ class Observation:
     answered_before_sigterm: int | None = None  # how many of `client` were in before the SIGTERM
     watchdog_s: float = WATCHDOG_S
     shutdown_s: float = SHUTDOWN_S
+    startup_s: float = STARTUP_S  # the start-up deadline the server was given (startup_hang)
     startup_exit_s: float | None = None  # launch -> the API server failed its start-up and exited
     startup_error_logged: bool = False  # the log says why (STARTUP_FAILED_LINE)
     left_running: list[int] = field(default_factory=list)  # tree pids alive at the end of the bound
@@ -86,6 +89,9 @@ class Observation:
     reaped: float | None = None  # wedge_engine:reaped_requests_total once the clients that leave are gone
     reaped_after_s: float | None = None  # since the workload started
     gave_up: int = 0  # clients that leave by design (disconnect_after_s)
+    # The plugin's heartbeat while the engine was blocked and before the watchdog's 503 (engine_deadlock):
+    # its step counts frozen, for how long, and its ages; None where no scrape carried the heartbeat.
+    heartbeat: dict[str, float] | None = None
 
 
 @dataclass
@@ -186,6 +192,33 @@ def check_health_503(obs: Observation, bound_s: float) -> Check:
                                    f"({'within' if ok else 'beyond'} {bound_s:g} s)", obs.health_503_after_s)
 
 
+def heartbeat_stall(beats: list[tuple[float, float, float, float, float]]) -> dict[str, float] | None:
+    """The heartbeat's last frozen stretch, from readings (monotonic time, steps, model steps, step age, model
+    step age) taken while /health still answered 200: the counts at the last reading, since when they held, and
+    how far each age grew meanwhile. None without a reading."""
+    if not beats:
+        return None
+    t1, steps, model_steps, step_age, model_age = beats[-1]
+    t0, _, _, step_age0, model_age0 = next(b for b in beats if (b[1], b[2]) == (steps, model_steps))
+    return {"steps": steps, "model_steps": model_steps, "frozen_s": round(t1 - t0, 2),
+            "step_age_s": round(step_age, 2), "model_step_age_s": round(model_age, 2),
+            "step_age_grew_s": round(step_age - step_age0, 2),
+            "model_step_age_grew_s": round(model_age - model_age0, 2)}
+
+
+def check_heartbeat(obs: Observation) -> Check:
+    """Blocked (no step at all, not even an empty one), the heartbeat's counts freeze and both its ages grow with
+    the clock, while vLLM's /health still answers 200: what an alert on the heartbeat sees before any watchdog."""
+    hb, name = obs.heartbeat, "heartbeat ages while blocked"
+    if hb is None:
+        return Check(name, False, "no heartbeat was read before /health answered 503")
+    frozen, grew = hb["frozen_s"], min(hb["step_age_grew_s"], hb["model_step_age_grew_s"])
+    ok = frozen >= HEARTBEAT_FROZEN_S and grew >= frozen - HEARTBEAT_SLACK_S
+    return Check(name, ok, f"steps frozen at {hb['steps']:.0f} ({hb['model_steps']:.0f} with model work) for "
+                           f"{frozen:.1f} s while /health answered 200; step age {hb['step_age_s']:.1f} s, model step "
+                           f"age {hb['model_step_age_s']:.1f} s (each grew {grew:.1f} s or more)", frozen)
+
+
 def check_exit(obs: Observation) -> Check:
     bound = obs.shutdown_s + EXIT_SLACK_S
     if obs.exit_s is None:
@@ -204,7 +237,7 @@ def check_upload_closed(obs: Observation) -> Check:
 
 
 def check_startup_failed(obs: Observation) -> Check:
-    bound = STARTUP_S + STARTUP_SLACK_S
+    bound = obs.startup_s + STARTUP_SLACK_S
     if obs.startup_exit_s is None:
         return Check("start-up deadline", False, f"the server was still starting {bound:g} s after launch")
     ok = obs.startup_error_logged and not obs.left_running
@@ -212,7 +245,7 @@ def check_startup_failed(obs: Observation) -> Check:
     left = (f"; pids {' '.join(map(str, obs.left_running))} outlived it" if obs.left_running
             else "; nothing left running")
     return Check("start-up deadline", ok, f"the server failed its start-up {obs.startup_exit_s:.1f} s after launch "
-                                          f"(deadline {STARTUP_S:g} s), {what}{left}", obs.startup_exit_s)
+                                          f"(deadline {obs.startup_s:g} s), {what}{left}", obs.startup_exit_s)
 
 
 def check_orphans_exit(obs: Observation) -> Check:
@@ -244,6 +277,8 @@ def evaluate(expected: str, obs: Observation, no_fix: str | None = None) -> list
         checks.append(check_errors_within(obs, ADMISSION_BOUND_S, "clear error", need_capacity=True))
     elif expected == "engine_deadlock":
         bound = obs.watchdog_s + WATCHDOG_SLACK_S
+        if obs.heartbeat is not None:  # the heartbeat fix on (each release that has it)
+            checks.append(check_heartbeat(obs))
         checks.append(check_errors_within(obs, bound, "watchdog error"))
         checks.append(check_health_503(obs, bound))
     elif expected == "shutdown_hang":
@@ -299,7 +334,8 @@ def run_patched(
            **({"WEDGE_ENGINE_STARTUP_S": f"{STARTUP_S:g}"} if cfg.expected == "startup_hang" else {}),
            **(extra_env or {})}
     obs = Observation(watchdog_s=float(env["WEDGE_ENGINE_WATCHDOG_S"]),
-                      shutdown_s=float(env["WEDGE_ENGINE_SHUTDOWN_S"]))
+                      shutdown_s=float(env["WEDGE_ENGINE_SHUTDOWN_S"]),
+                      startup_s=float(env.get("WEDGE_ENGINE_STARTUP_S", STARTUP_S)))
     out_dir = out_dir or Path.cwd() / "wedgectl-repro" / f"{cfg.name}-patched"
     server, log_path = start_repro_server(cfg, env, python, out_dir, progress, label="patched vLLM")
     notes: list[str] = []
@@ -350,9 +386,9 @@ def _check_lifecycle(cfg: ReproConfig, server: Server, obs: Observation, progres
     """startup_hang: wait for the server to fail its own start-up; orphaned_engine: SIGKILL the API
     server once healthy and time its engine's exit. Whatever is left is stopped by the caller."""
     if cfg.expected == "startup_hang":
-        progress(f"waiting for the start-up deadline ({STARTUP_S:g} s)")
+        progress(f"waiting for the start-up deadline ({obs.startup_s:g} s)")
         tree: tuple[int, ...] = ()
-        while server.popen.poll() is None and time.time() - server.started_at < STARTUP_S + STARTUP_SLACK_S:
+        while server.popen.poll() is None and time.time() - server.started_at < obs.startup_s + STARTUP_SLACK_S:
             tree = tuple(sorted(set(tree) | set(server.tree_pids())))
             time.sleep(0.5)
         if server.popen.poll() is not None:
@@ -378,7 +414,6 @@ def _drive(cfg: ReproConfig, server: Server, workload: Workload, obs: Observatio
            progress: Callable[[str], None], notes: list[str]) -> None:
     """Run the workload until the config's outcome is in (or its bound passes)."""
     expected = cfg.expected
-    n_requests = sum(s.count for s in cfg.requests if not s.stalled_upload)
     if expected == "admission_wedge":
         bound = ADMISSION_BOUND_S + 2
     elif expected == "engine_deadlock":
@@ -396,12 +431,31 @@ def _drive(cfg: ReproConfig, server: Server, workload: Workload, obs: Observatio
     start = time.monotonic()
     workload.start_now()
     history: list[tuple[float, Any]] = []
+    beats: list[tuple[float, float, float, float, float]] = []
+    try:
+        _poll(cfg, server, workload, obs, progress, notes, bound, start, history, beats)
+    finally:
+        if expected == "engine_deadlock":
+            obs.heartbeat = heartbeat_stall(beats)
+
+
+def _poll(cfg: ReproConfig, server: Server, workload: Workload, obs: Observation, progress: Callable[[str], None],
+          notes: list[str], bound: float, start: float, history: list[tuple[float, Any]],
+          beats: list[tuple[float, float, float, float, float]]) -> None:
+    """_drive's loop: scrape, poll /health, until the outcome the config's class expects (or the bound)."""
+    expected = cfg.expected
+    n_requests = sum(s.count for s in cfg.requests if not s.stalled_upload)
     with health_client() as client:
         while time.monotonic() - start < bound:
             snap = scrape_snapshot(client, server.url)
             if snap is not None:
                 history.append((time.monotonic(), snap))
                 workload.start_later(snap.generation_tokens or 0)
+                steps, model_steps = snap.heartbeat_steps, snap.heartbeat_model_steps
+                age, model_age = snap.heartbeat_step_age, snap.heartbeat_model_step_age
+                if obs.health_503_after_s is None and steps is not None and model_steps is not None and \
+                        age is not None and model_age is not None:
+                    beats.append((time.monotonic(), steps, model_steps, age, model_age))
             if obs.health_503_after_s is None and health_status(client, server.url) == 503:
                 obs.health_503_after_s = round(time.monotonic() - start, 2)
             done = len([r for r in workload.results if not r.get("stalled_upload")])
