@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -43,17 +44,25 @@ def _end_session(pid: int) -> None:
         time.sleep(0.2)
 
 
-def test_saturated_server_is_progressing_without_waiting_out_the_window(vllm_python, tmp_path):
-    # --keep: the streams run in a detached holder, and diagnose is its own process, as on call.
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, int]]:
+    """The `healthy-loaded` repro, kept: 8 streams saturating the host, run by a detached holder (diagnose is its
+    own process, as on call). Its JSON and exit code; the module's tests take it in turn, the CPU limit last."""
+    out = tmp_path_factory.mktemp("loaded")
     r = subprocess.run([sys.executable, "-m", "wedgectl", "repro", "healthy-loaded", "--keep", "--json",
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=400)
+                        "--out", str(out)], capture_output=True, text=True, timeout=400)
     assert r.stdout.strip(), r.stderr[-3000:]
-    pid = json.loads(r.stdout)["pid"]
+    control = json.loads(r.stdout)
     try:
-        d = subprocess.run([sys.executable, "-m", "wedgectl", "diagnose", "--pid", str(pid), "--json", "-q",
-                            "--save-bundle", str(tmp_path / "loaded.tar.gz")], capture_output=True, text=True, timeout=120)
+        yield control, r.returncode
     finally:
-        _end_session(pid)
+        _end_session(control["pid"])
+
+
+def test_saturated_server_is_progressing_without_waiting_out_the_window(loaded, tmp_path):
+    pid = loaded[0]["pid"]
+    d = subprocess.run([sys.executable, "-m", "wedgectl", "diagnose", "--pid", str(pid), "--json", "-q",
+                        "--save-bundle", str(tmp_path / "loaded.tar.gz")], capture_output=True, text=True, timeout=120)
     out = json.loads(d.stdout)
     assert (out["verdict"], d.returncode) == ("progressing", 0), " | ".join(e["what"] for e in out["evidence"])
     b = read_bundle(tmp_path / "loaded.tar.gz")
@@ -139,26 +148,19 @@ def _tokens_stop(url: str, quiet_s: float = 4.0, bound_s: float = 90.0) -> float
     raise AssertionError(f"tokens still arrived {bound_s:.0f} s into the CPU limit (last count {last})")
 
 
-def test_an_engine_its_cpu_limit_starves_is_not_called_a_deadlock(vllm_python, tmp_path):
-    """The `healthy` repro's stream, its EngineCore and Worker then held to 1 ms of CPU a second with
-    busy loops beside them in the same limit, the engine's threads at the idle policy: no token comes, the engine's main threads queue for
-    a CPU they are not given. Frozen counters with work in flight and an engine using no CPU read
-    as a certain engine deadlock before the run delay was read; now no hang is named, and the
-    verdict says the engine is waiting for a CPU."""
-    r = subprocess.run([sys.executable, "-m", "wedgectl", "repro", "healthy", "--keep", "--json",
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=400)
-    assert r.stdout.strip(), r.stderr[-3000:]
-    control = json.loads(r.stdout)
+def test_an_engine_its_cpu_limit_starves_is_not_called_a_deadlock(loaded, tmp_path):
+    """The `healthy-loaded` repro's streams, its EngineCore and Worker then held to 1 ms of CPU a second with
+    busy loops beside them in the same limit, the engine's threads at the idle policy: no token comes, the engine's
+    main threads queue for a CPU they are not given. Frozen counters with work in flight and an engine using no CPU
+    read as a certain engine deadlock before the run delay was read; now no hang is named, and the verdict says the
+    engine is waiting for a CPU. The module's last user of the kept server: the limit is not undone."""
+    control, rc = loaded
     pid = control["pid"]
     hogs: list[subprocess.Popen] = []
-    try:
-        # First the `healthy` control itself, before any limit: a classifier that cries wolf is worse than none.
-        assert (control["verdict"], r.returncode) == ("progressing", 0), control["summary"]
-        assert control["facts"]["tokens_per_s"] > 10
-        assert all(c.get("status") == 200 for c in control["client"] if "status" in c)
-    except AssertionError:
-        _end_session(pid)
-        raise
+    # First the control itself, before any limit: a classifier that cries wolf is worse than none.
+    assert (control["verdict"], rc) == ("progressing", 0), control["summary"]
+    assert control["facts"]["tokens_per_s"] > 10
+    assert all(c.get("status") == 200 for c in control["client"] if "status" in c)
     try:
         engine = [p.pid for p in psutil.Process(pid).children(recursive=True) if role_of(p) in STEPPING_ROLES]
         assert len(engine) == 2, engine
@@ -175,7 +177,7 @@ def test_an_engine_its_cpu_limit_starves_is_not_called_a_deadlock(vllm_python, t
                     with contextlib.suppress(OSError):
                         os.sched_setscheduler(t.id, os.SCHED_IDLE, os.sched_param(0))
             # the quota of the period under way runs out, and tokens made before it drain
-            settled = _tokens_stop(json.loads(r.stdout)["url"])
+            settled = _tokens_stop(control["url"])
             d = subprocess.run([sys.executable, "-m", "wedgectl", "diagnose", "--pid", str(pid), "--json", "-q",
                                 "--window", "8", "--save-bundle", str(tmp_path / "limited.tar.gz")],
                                capture_output=True, text=True, timeout=120)

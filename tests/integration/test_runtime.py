@@ -1,4 +1,5 @@
-"""The managed runtime serves the tiny model for real and stops without leftovers."""
+"""The managed runtime serves the tiny model for real and fails a start that cannot succeed fast. (Its stop
+leaves nothing behind: test_patched's last test, on that module's server.)"""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
 from wedgectl.lab.runtime import (
@@ -15,8 +15,6 @@ from wedgectl.lab.runtime import (
     ServerStartError,
     free_port,
     running_server,
-    start_server,
-    stop_server,
 )
 
 pytestmark = pytest.mark.integration
@@ -79,25 +77,6 @@ def test_a_real_server_answers_the_restricted_page_top_scrapes(vllm_server: Serv
     assert values(restricted.text)["generation_tokens"] >= 16
     # top's source scrapes that way (through the live session it holds)
     assert LiveSource.connect(pid=vllm_server.pid).session.scraper.series == JUDGED_SERIES
-
-
-def test_stop_server_tears_the_whole_tree_down(
-    vllm_python: Path, tiny_model: Path, tmp_path: Path
-) -> None:
-    spec = ServerSpec(model=tiny_model, port=free_port())
-    server = start_server(spec, vllm_python, tmp_path / "server.log")
-    try:
-        pids = server.tree_pids()
-        # API server, EngineCore, Worker and multiprocessing's resource tracker.
-        assert len(pids) >= 3
-        reply = httpx.post(f"{server.url}/v1/completions", json=COMPLETION, timeout=60)
-        assert reply.json()["usage"]["completion_tokens"] == 16
-    finally:
-        seconds = stop_server(server)
-    assert seconds < 30
-    assert [pid for pid in pids if psutil.pid_exists(pid)] == []
-    assert server.popen.returncode is not None
-    assert not server.tmp_dir.exists()
 
 
 def test_start_fails_fast_with_the_log_tail(vllm_python: Path, tmp_path: Path) -> None:

@@ -1,8 +1,8 @@
 """A verdict without ptrace: `wedgectl diagnose --pid` run as nobody (no capabilities, no groups) against real
 hung vLLM servers of root's. py-spy is refused, /proc/PID/{fd,environ,syscall,stack} are unreadable; what decides
 is the engine's own report (WEDGE_ENGINE_REPORT=1, on in every repro server; the fault still applies), read from
-the report directory by the pid alone. Without the report the verdict says what it could not read, and what
-would decide it."""
+the report directory by the pid alone. (Without the report the verdict says what it could not read, and what
+would decide it: test_probes_engine, on its deadlock without one.)"""
 
 from __future__ import annotations
 
@@ -13,34 +13,21 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import httpx
 import pytest
 
-from cli_run import kill_group, stop_gracefully
+from cli_run import stop_gracefully
 from test_repros import evidence_text
 from nobody import NOBODY, as_nobody, check_as_nobody, diagnose_as_nobody, engine_lines, nobody_wedgectl
 from wedgectl.collect.control import free_port
-from wedgectl.lab.repro import ReproResult, find_config, run_repro
 from wedgectl.model.types import VerdictKind
 from wedgectl.store.bundle import read_bundle
 
 pytestmark = pytest.mark.integration
-
-
-def _kept_deadlock(python: Path, out: Path, report: bool) -> ReproResult:
-    """A real engine deadlock kept hung, in this process (its clients live here and keep the requests in
-    flight); with the report off (WEDGE_ENGINE_REPORT=0) it is a stock server but for the fault."""
-    cfg = find_config("engine-deadlock")
-    if not report:
-        cfg = replace(cfg, env={**cfg.env, "WEDGE_ENGINE_REPORT": "0"})
-    result = run_repro(cfg, python=str(python), out_dir=out, keep=True)
-    assert result.symptom_s is not None, f"the hang did not happen: {result.notes}"
-    return result
 
 
 def test_engine_deadlock_repro(deadlock_with_report) -> None:
@@ -56,35 +43,11 @@ def test_engine_deadlock_repro(deadlock_with_report) -> None:
     assert "still listening" in text  # the API process keeps answering /metrics
 
 
-@pytest.fixture(scope="module")
-def bare_deadlock(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReproResult]:
-    """A real engine deadlock without the engine's report (WEDGE_ENGINE_REPORT=0): a stock server but for the
-    fault."""
-    bare = None
-    try:
-        bare = _kept_deadlock(vllm_python, tmp_path_factory.mktemp("deadlock-report-False"), False)
-        yield bare
-    finally:
-        if bare is not None:
-            kill_group(bare.pid)
-
-
 def test_a_deadlock_as_nobody_is_decided_by_the_engines_report(deadlock_with_report) -> None:
     out = check_as_nobody(deadlock_with_report.pid, deadlock_with_report.out, "stage execute_model_wait for",
                           "requests frozen in the step: cmpl-")
     assert out["rule"] == "live_engine_report_deadlock"  # the report decided, and says so
     assert "cmpl-" in " ".join(out["advice"])  # the requests it holds, by id
-
-
-def test_without_the_report_nobody_is_told_what_would_decide(bare_deadlock: ReproResult,
-                                                             deadlock_with_report) -> None:
-    rc, out = diagnose_as_nobody(bare_deadlock.pid)
-    assert engine_lines(out) == [] and out["rule"] != "live_engine_report_deadlock"
-    said = " | ".join(e["what"] for e in out["evidence"] if e["source"] == "wedgectl")
-    assert "py-spy was refused ptrace access" in said and "no engine report was read" in said, said
-    assert "WEDGE_ENGINE_REPORT=1" in said and "CAP_SYS_PTRACE" in said, said
-    with_report = diagnose_as_nobody(deadlock_with_report.pid)[1]
-    assert out["confidence"] <= with_report["confidence"]
 
 
 def test_an_admission_wedge_as_nobody_names_the_request(admission_wedge) -> None:
