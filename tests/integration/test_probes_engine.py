@@ -14,6 +14,8 @@ server is always stopped.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -31,7 +33,8 @@ from wedgectl.classify import confidence as C
 from wedgectl.lab.lifecycle import Server
 from wedgectl.model import exitcodes
 from wedgectl.store.bundle import to_jsonable
-from wedgectl.collect import ebpf, ebpfhost, procfs, pyspy
+from wedgectl.collect import ebpf, ebpfhost, procfs, procread, pyspy
+from wedgectl.collect.control import Planned, send_signal, stop_tree
 from wedgectl.collect.processes import process_tree, role_of
 from wedgectl.read.metrics import MetricsParseError, parse_metrics
 from wedgectl.lab.engine_install import ensure_engine_plugin
@@ -194,3 +197,20 @@ def test_without_the_report_nobody_is_told_what_would_decide(stalled: Stalled) -
     assert "WEDGE_ENGINE_REPORT=1" in said and "CAP_SYS_PTRACE" in said, said
     # never surer than the report makes it (test_unprivileged: the same deadlock with the report, as nobody)
     assert out["confidence"] <= C.DEADLOCK_ENGINE_REPORT_CERTAIN, (out["rule"], out["confidence"])
+
+
+def test_a_forced_sigkill_of_the_deadlock_leaves_none_of_its_psm_segments(stalled: Stalled) -> None:
+    """The module's last user of its server ends it as an operator ends a hung one, by force: every process of the
+    tree stopped first (so that none runs its own clean-up), then stop_tree's SIGKILL. None of the /dev/shm
+    segments the tree had mapped (psm_*, 160-250 MB each) is left (test_safety_shm: a segment held elsewhere
+    stays). The fixture's own stop after it finds nothing to do."""
+    server = stalled.server
+    pids = [server.pid, *(p.pid for p in psutil.Process(server.pid).children(recursive=True))]
+    segments = {p for p in procread.shm_files_of(pids) if os.path.basename(p).startswith("psm_")}
+    assert segments, "vLLM mapped no psm_ segment: nothing to check"
+    for pid in pids:
+        send_signal(Planned.now(pid), signal.SIGSTOP)
+    stopped = stop_tree(server.pid, 0.5, popen=server.popen, started_at=server.started_at)
+    assert stopped.killed
+    assert [p for p in segments if os.path.exists(p)] == [], stopped
+    assert set(stopped.shm_removed) >= segments
