@@ -11,8 +11,10 @@ import tomllib
 from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+from xdist.scheduler import LoadGroupScheduling
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -203,12 +205,12 @@ class ServerLeakCheck:
 
 
 # --- parallel runs ---------------------------------------------------------------------------------------
-# The README's test command runs `pytest -n 2 --dist loadgroup`: two workers, fed one unit of work at a time.
+# The README's test command runs `pytest -n 4 --dist loadgroup`: four workers, fed one unit of work at a time.
 # A unit is a test module (its module-scoped fixtures, a server say, then start once), or all the tests that
 # share one session fixture that must exist once per run (ONE_PER_RUN), or an integration test that shares no
-# module-scoped fixture (a unit of its own: see work_unit). The integration units are handed out
-# first, the largest first, and the many short unit-test modules after them, so that the last minutes of a
-# run are spent on small work on both workers rather than one long module on one.
+# module-scoped fixture (a unit of its own: see work_unit). Two lanes (LaneScheduling): the first two workers
+# take the integration units, the largest first (the longest, started last, would leave one worker idle at the
+# end); the other two take the unit tests beside them, which wait on the clock more than they use a CPU.
 # Serial runs (no -n) keep pytest's own order.
 
 ONE_PER_RUN = ("admission_wedge",)  # tests/integration/conftest.py: the kept admission wedge
@@ -217,15 +219,107 @@ ONE_PER_RUN = ("admission_wedge",)  # tests/integration/conftest.py: the kept ad
 def work_unit(item: pytest.Item) -> str:
     """The xdist group an item is run in: a fixture of ONE_PER_RUN, else its module; an integration test that
     shares no module-scoped fixture with its neighbours is a unit of its own, so that a module of many
-    server-starting tests (test_patched's) is spread over the workers instead of queued on one."""
+    server-starting tests (test_patched's) is spread over the workers instead of queued on one. An integration
+    unit's name starts with INTEGRATION_PREFIX: the lane it runs in (LaneScheduling)."""
     names = getattr(item, "fixturenames", ())
+    integration = item.get_closest_marker("integration") is not None
     shared = [name for name in ONE_PER_RUN if name in names]
     if shared:
-        return shared[0]
-    module = item.nodeid.split("::", 1)[0]
-    if item.get_closest_marker("integration") is not None and not shares_module_fixture(item):
-        return item.nodeid
-    return module
+        unit = shared[0]
+    elif integration and not shares_module_fixture(item):
+        unit = item.nodeid
+    else:
+        unit = item.nodeid.split("::", 1)[0]
+    return INTEGRATION_PREFIX + unit if integration else unit
+
+
+
+# --- two lanes ---------------------------------------------------------------------------------------------
+# Two lanes for a parallel run: the integration units on the first workers, the unit tests on the others.
+#
+# The integration tests are bound by CPU (a vLLM start is ~25 CPU s, a hung server spins a core); the unit tests
+# mostly by the wall clock (hostile endpoints that trickle, deadlines waited out, real CLI runs). Run after the
+# integration units on the same two workers, as plain `--dist loadgroup` does, the unit tests were the last
+# ~200 s of a run with both cores half idle. Here the first INTEGRATION_WORKERS workers take the integration
+# units (and, once none is left, unit tests); the others take only unit tests, alongside them, and stop when no
+# unit test is left. More workers than that never put a third vLLM server's work on two cores.
+#
+# xdist's own LoadGroupScheduling does the rest: one unit at a time per worker, in the order the suite sorted
+# them (pytest_collection_modifyitems, below). A unit is an integration one when its group name
+# starts with INTEGRATION_PREFIX, which work_unit gives every integration test's group.
+
+INTEGRATION_PREFIX = "integration:"
+LANES_ENV = "WEDGECTL_INTEGRATION_WORKERS"
+INTEGRATION_WORKERS = 2
+
+
+def integration_workers(environ: dict[str, str] | os._Environ[str] = os.environ) -> int:
+    """How many workers take integration units: $WEDGECTL_INTEGRATION_WORKERS (at least 1), else 2."""
+    raw = environ.get(LANES_ENV, "").strip()
+    if not raw:
+        return INTEGRATION_WORKERS
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{LANES_ENV} must be a whole number of workers, not {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"{LANES_ENV} must be at least 1, not {value}")
+    return value
+
+
+def worker_index(node: Any) -> int:
+    """xdist's worker number: 3 for gw3."""
+    return int(str(node.gateway.id).removeprefix("gw"))
+
+
+class LaneScheduling(LoadGroupScheduling):  # type: ignore[misc]
+    """LoadGroupScheduling whose workers past the first `lanes` never take an integration unit."""
+
+    def __init__(self, config: Any, log: Any = None, lanes: int = INTEGRATION_WORKERS) -> None:
+        super().__init__(config, log)
+        self.lanes = lanes
+
+    def takes_integration(self, node: Any) -> bool:
+        return worker_index(node) < self.lanes
+
+    def next_unit_for(self, node: Any) -> str | None:
+        """The first queued unit this worker may run, or None."""
+        anything = self.takes_integration(node)
+        return next((scope for scope in self.workqueue if anything or not scope.startswith(INTEGRATION_PREFIX)),
+                    None)
+
+    def _assign_work_unit(self, node: Any) -> None:
+        scope = self.next_unit_for(node)
+        if scope is None:
+            return
+        work_unit = self.workqueue.pop(scope)
+        self.assigned_work.setdefault(node, {})[scope] = work_unit
+        collection = self.registered_collections[node]
+        node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
+
+    def _reschedule(self, node: Any) -> None:
+        if node.shutting_down:
+            return
+        pending = self._pending_of(self.assigned_work[node])
+        if not self.workqueue or (pending == 0 and self.next_unit_for(node) is None):
+            node.shutdown()  # nothing left that this worker may run
+            return
+        if pending > 2:
+            return
+        self._assign_work_unit(node)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """Under `--dist loadgroup`: the integration units on the first workers, the unit tests beside them on the
+    others (LaneScheduling)."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return None
+    try:
+        lanes = integration_workers()
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    return LaneScheduling(config, log, lanes)
 
 
 def shares_module_fixture(item: pytest.Item) -> bool:

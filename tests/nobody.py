@@ -56,6 +56,42 @@ def engine_lines(out: dict) -> list[str]:
     return [e["what"] for e in out["evidence"] if e["source"] == "engine"]
 
 
+def tree_now(pid: int) -> list[dict]:
+    """For a failure's message, read as root right after: each process of the tree, its threads' states and
+    wait channels (counted), and how long ago its engine report file was replaced."""
+    import collections
+    import os
+    import time
+
+    import psutil
+
+    seen = []
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error as exc:
+        return [{"error": repr(exc)}]
+    for proc in procs:
+        threads: collections.Counter[str] = collections.Counter()
+        for task in Path(f"/proc/{proc.pid}/task").glob("*"):
+            try:
+                stat = (task / "stat").read_text()
+                wchan = (task / "wchan").read_text()
+            except OSError:
+                continue
+            threads[f"{stat[stat.rfind(')') + 2]} {wchan or '-'}"] += 1
+        report = Path(f"/tmp/wedge-engine-reports-{os.geteuid()}/wedge-engine-{proc.pid}.report.json")
+        try:
+            age = round(time.time() - report.stat().st_mtime, 1)
+        except OSError as exc:
+            age = exc.strerror
+        try:
+            seen.append({"pid": proc.pid, "name": proc.name(), "cpu_s": round(sum(proc.cpu_times()[:2]), 1),
+                         "threads": dict(threads), "report_age_s": age})
+        except psutil.Error as exc:
+            seen.append({"pid": proc.pid, "error": repr(exc)})
+    return seen
+
+
 def check_as_nobody(pid: int, root: dict, *said: str, flags: tuple[str, ...] = ()) -> dict:
     """Diagnose a kept repro as nobody (with the diagnose `flags` root's ran with) and hold it to the issue's bar:
     the verdict root had (with its exit code), at least as confident, with the engine report's stage and what
@@ -65,7 +101,7 @@ def check_as_nobody(pid: int, root: dict, *said: str, flags: tuple[str, ...] = (
     everything = " | ".join(e["what"] for e in out["evidence"])
     ranks = [{k: r.get(k) for k in ("label", "pid", "state", "cpu_cores", "where")} for r in out.get("ranks") or ()]
     assert (out["verdict"], rc) == (root["verdict"], VERDICT_CODES[VerdictKind(root["verdict"])]), (
-        f"{out['summary']} || {everything} || ranks {ranks}")
+        f"{out['summary']} || {everything} || ranks {ranks} || as root now: {tree_now(pid)}")
     assert out["confidence"] >= root["confidence"], (out["confidence"], root["confidence"], out["rule"])
     assert "stage " in engine, everything
     for text in said:

@@ -1,0 +1,69 @@
+"""The lanes of a parallel run (tests/conftest.py, LaneScheduling): real pytest runs under xdist, in a subprocess,
+on a generated folder whose conftest.py loads this suite's own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from test_skip_policy import CONFTEST, policy as suite
+
+LANES_CONFTEST = CONFTEST + "pytest_xdist_make_scheduler = module.pytest_xdist_make_scheduler\n"
+
+# each test notes the worker it ran on; the integration ones last long enough for the units to run beside them
+RECORD = """
+import json, os, time
+import pytest
+
+def record(name, seconds):
+    time.sleep(seconds)
+    with open(os.environ["LANES_OUT"], "a") as out:
+        out.write(json.dumps([name, os.environ["PYTEST_XDIST_WORKER"]]) + "\\n")
+"""
+
+
+def _run(tmp_path: Path, *args: str, workers: str | None) -> tuple[subprocess.CompletedProcess[str], list]:
+    (tmp_path / "conftest.py").write_text(LANES_CONFTEST + textwrap.dedent(RECORD))
+    (tmp_path / "test_live.py").write_text("import pytest\nfrom conftest import record\n"
+                                           "pytestmark = pytest.mark.integration\n" +
+                                           "".join(f"def test_i{n}():\n    record('i{n}', 1.0)\n" for n in range(4)))
+    for m in range(4):
+        (tmp_path / f"test_unit{m}.py").write_text("from conftest import record\n" + "".join(
+            f"def test_u{m}_{n}():\n    record('u{m}_{n}', 0.1)\n" for n in range(2)))
+    out = tmp_path / "lanes.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in (suite.LANES_ENV, "PYTEST_ADDOPTS")}
+    env["LANES_OUT"] = str(out)
+    if workers is not None:
+        env[suite.LANES_ENV] = workers
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--dist", "loadgroup", *args],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    ran = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    return r, ran
+
+
+def test_integration_units_keep_to_their_workers_and_the_units_run_beside_them(tmp_path: Path) -> None:
+    r, ran = _run(tmp_path, "-n", "3", workers="1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "12 passed" in r.stdout
+    where = dict(ran)
+    assert {where[f"i{n}"] for n in range(4)} == {"gw0"}  # one lane for the integration units
+    units = {where[f"u{m}_{n}"] for m in range(4) for n in range(2)}
+    assert units <= {"gw0", "gw1", "gw2"} and units & {"gw1", "gw2"}, ran  # the unit tests beside them
+
+
+def test_two_integration_workers_by_default(tmp_path: Path) -> None:
+    r, ran = _run(tmp_path, "-n", "4", workers=None)
+    assert r.returncode == 0, r.stdout + r.stderr
+    where = dict(ran)
+    assert {where[f"i{n}"] for n in range(4)} <= {"gw0", "gw1"}, ran
+    assert suite.integration_workers({}) == suite.INTEGRATION_WORKERS == 2
+
+
+def test_a_bad_number_of_integration_workers_is_a_usage_error(tmp_path: Path) -> None:
+    r, ran = _run(tmp_path, "-n", "2", workers="none")
+    assert r.returncode == 4 and ran == [], r.stdout + r.stderr
+    assert "WEDGECTL_INTEGRATION_WORKERS must be a whole number of workers, not 'none'" in r.stderr
