@@ -267,6 +267,13 @@ def integration_workers(environ: dict[str, str] | os._Environ[str] = os.environ)
     return value
 
 
+def is_integration_unit(scope: str) -> bool:
+    """Whether xdist's scope names an integration unit. xdist takes the group from after the last "@" only
+    when no "]" follows it, so a parametrized test that is a unit of its own (its node id its group) keeps its
+    whole node id, "...[param]@integration:...[param]", as its scope."""
+    return scope.startswith(INTEGRATION_PREFIX) or "@" + INTEGRATION_PREFIX in scope
+
+
 def worker_index(node: Any) -> int:
     """xdist's worker number: 3 for gw3."""
     return int(str(node.gateway.id).removeprefix("gw"))
@@ -285,8 +292,7 @@ class LaneScheduling(LoadGroupScheduling):  # type: ignore[misc]
     def next_unit_for(self, node: Any) -> str | None:
         """The first queued unit this worker may run, or None."""
         anything = self.takes_integration(node)
-        return next((scope for scope in self.workqueue if anything or not scope.startswith(INTEGRATION_PREFIX)),
-                    None)
+        return next((scope for scope in self.workqueue if anything or not is_integration_unit(scope)), None)
 
     def _assign_work_unit(self, node: Any) -> None:
         scope = self.next_unit_for(node)

@@ -30,7 +30,10 @@ def _run(tmp_path: Path, *args: str, workers: str | None) -> tuple[subprocess.Co
     (tmp_path / "conftest.py").write_text(LANES_CONFTEST + textwrap.dedent(RECORD))
     (tmp_path / "test_live.py").write_text("import pytest\nfrom conftest import record\n"
                                            "pytestmark = pytest.mark.integration\n" +
-                                           "".join(f"def test_i{n}():\n    record('i{n}', 1.0)\n" for n in range(4)))
+                                           "".join(f"def test_i{n}():\n    record('i{n}', 1.0)\n" for n in range(4)) +
+                                           # a parametrized one, a unit of its own: xdist's scope is its whole id
+                                           "@pytest.mark.parametrize('k', [4, 5])\n"
+                                           "def test_p(k):\n    record(f'i{k}', 1.0)\n")
     for m in range(4):
         (tmp_path / f"test_unit{m}.py").write_text("from conftest import record\n" + "".join(
             f"def test_u{m}_{n}():\n    record('u{m}_{n}', 0.1)\n" for n in range(2)))
@@ -48,9 +51,9 @@ def _run(tmp_path: Path, *args: str, workers: str | None) -> tuple[subprocess.Co
 def test_integration_units_keep_to_their_workers_and_the_units_run_beside_them(tmp_path: Path) -> None:
     r, ran = _run(tmp_path, "-n", "3", workers="1")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "12 passed" in r.stdout
+    assert "14 passed" in r.stdout
     where = dict(ran)
-    assert {where[f"i{n}"] for n in range(4)} == {"gw0"}  # one lane for the integration units
+    assert {where[f"i{n}"] for n in range(6)} == {"gw0"}  # one lane for the integration units
     units = {where[f"u{m}_{n}"] for m in range(4) for n in range(2)}
     assert units <= {"gw0", "gw1", "gw2"} and units & {"gw1", "gw2"}, ran  # the unit tests beside them
 
@@ -59,7 +62,7 @@ def test_two_integration_workers_by_default(tmp_path: Path) -> None:
     r, ran = _run(tmp_path, "-n", "4", workers=None)
     assert r.returncode == 0, r.stdout + r.stderr
     where = dict(ran)
-    assert {where[f"i{n}"] for n in range(4)} <= {"gw0", "gw1"}, ran
+    assert {where[f"i{n}"] for n in range(6)} <= {"gw0", "gw1"}, ran
     assert suite.integration_workers({}) == suite.INTEGRATION_WORKERS == 2
 
 
