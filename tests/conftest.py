@@ -230,7 +230,9 @@ def work_unit(item: pytest.Item) -> str:
         unit = item.nodeid
     else:
         unit = item.nodeid.split("::", 1)[0]
-    return INTEGRATION_PREFIX + unit if integration else unit
+    if not integration:
+        return unit
+    return INTEGRATION_PREFIX + (SPINNING_TAG if any(n in names for n in SPINNING_FIXTURES) else "") + unit
 
 
 
@@ -249,6 +251,12 @@ def work_unit(item: pytest.Item) -> str:
 # starts with INTEGRATION_PREFIX, which work_unit gives every integration test's group.
 
 INTEGRATION_PREFIX = "integration:"
+# A kept hang that spins a core for as long as its unit lasts (the admission wedge's engine loop, the collective
+# hang's waiting rank), shared by the unit's tests. Two at once starve everything else, each other included: each
+# lasts longer, so each spins longer (measured: the wedge's unit 361 s and the collective's 292 s, side by side
+# at the run's start, against ~100 s and ~140 s alone). One runs at a time (LaneScheduling.next_unit_for).
+SPINNING_FIXTURES = ("admission_wedge", "hung_tp2")
+SPINNING_TAG = "spins:"
 LANES_ENV = "WEDGECTL_INTEGRATION_WORKERS"
 INTEGRATION_WORKERS = 2
 
@@ -274,6 +282,11 @@ def is_integration_unit(scope: str) -> bool:
     return scope.startswith(INTEGRATION_PREFIX) or "@" + INTEGRATION_PREFIX in scope
 
 
+def is_spinning_unit(scope: str) -> bool:
+    """Whether xdist's scope names a unit that keeps a spinning hang (SPINNING_FIXTURES)."""
+    return INTEGRATION_PREFIX + SPINNING_TAG in scope
+
+
 def worker_index(node: Any) -> int:
     """xdist's worker number: 3 for gw3."""
     return int(str(node.gateway.id).removeprefix("gw"))
@@ -289,10 +302,19 @@ class LaneScheduling(LoadGroupScheduling):  # type: ignore[misc]
     def takes_integration(self, node: Any) -> bool:
         return worker_index(node) < self.lanes
 
+    def spinning_now(self) -> bool:
+        """Whether a unit that keeps a spinning hang is handed out and not finished."""
+        return any(is_spinning_unit(scope) and not all(done.values())
+                   for work in self.assigned_work.values() for scope, done in work.items())
+
     def next_unit_for(self, node: Any) -> str | None:
-        """The first queued unit this worker may run, or None."""
+        """The first queued unit this worker may run, or None: an integration unit only on the integration
+        workers, and a spinning one only while no other is running."""
         anything = self.takes_integration(node)
-        return next((scope for scope in self.workqueue if anything or not is_integration_unit(scope)), None)
+        spinning = self.spinning_now()
+        return next((scope for scope in self.workqueue
+                     if (anything or not is_integration_unit(scope)) and not (spinning and is_spinning_unit(scope))),
+                    None)
 
     def _assign_work_unit(self, node: Any) -> None:
         scope = self.next_unit_for(node)

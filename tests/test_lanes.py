@@ -14,15 +14,47 @@ from test_skip_policy import CONFTEST, policy as suite
 
 LANES_CONFTEST = CONFTEST + "pytest_xdist_make_scheduler = module.pytest_xdist_make_scheduler\n"
 
-# each test notes the worker it ran on; the integration ones last long enough for the units to run beside them
+# each test notes the worker it ran on and when; the integration ones last long enough for the units to run beside
+# them. Two units keep a "spinning hang" (fixtures named as the suite's are): the wedge's two tests, the collective's.
 RECORD = """
 import json, os, time
 import pytest
 
 def record(name, seconds):
+    start = time.monotonic()
     time.sleep(seconds)
     with open(os.environ["LANES_OUT"], "a") as out:
-        out.write(json.dumps([name, os.environ["PYTEST_XDIST_WORKER"]]) + "\\n")
+        out.write(json.dumps([name, os.environ["PYTEST_XDIST_WORKER"], start, time.monotonic()]) + "\\n")
+
+@pytest.fixture(scope="session")
+def admission_wedge():
+    return "wedge"
+
+@pytest.fixture(scope="module")
+def hung_tp2():
+    return "tp2"
+"""
+SPINNING = """
+import pytest
+from conftest import record
+pytestmark = pytest.mark.integration
+
+def test_a(admission_wedge):
+    record("w0", 1.0)
+
+def test_b(admission_wedge):
+    record("w1", 1.0)
+"""
+COLLECTIVE = """
+import pytest
+from conftest import record
+pytestmark = pytest.mark.integration
+
+def test_c(hung_tp2):
+    record("c0", 1.0)
+
+def test_d(hung_tp2):
+    record("c1", 1.0)
 """
 
 
@@ -34,6 +66,8 @@ def _run(tmp_path: Path, *args: str, workers: str | None) -> tuple[subprocess.Co
                                            # a parametrized one, a unit of its own: xdist's scope is its whole id
                                            "@pytest.mark.parametrize('k', [4, 5])\n"
                                            "def test_p(k):\n    record(f'i{k}', 1.0)\n")
+    (tmp_path / "test_spinning.py").write_text(SPINNING)
+    (tmp_path / "test_collective.py").write_text(COLLECTIVE)
     for m in range(4):
         (tmp_path / f"test_unit{m}.py").write_text("from conftest import record\n" + "".join(
             f"def test_u{m}_{n}():\n    record('u{m}_{n}', 0.1)\n" for n in range(2)))
@@ -48,12 +82,22 @@ def _run(tmp_path: Path, *args: str, workers: str | None) -> tuple[subprocess.Co
     return r, ran
 
 
+def _where(ran: list) -> dict[str, str]:
+    return {name: worker for name, worker, _start, _end in ran}
+
+
+def _span(ran: list, prefix: str) -> tuple[float, float]:
+    times = [(start, end) for name, _worker, start, end in ran if name.startswith(prefix)]
+    return min(t[0] for t in times), max(t[1] for t in times)
+
+
 def test_integration_units_keep_to_their_workers_and_the_units_run_beside_them(tmp_path: Path) -> None:
     r, ran = _run(tmp_path, "-n", "3", workers="1")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "14 passed" in r.stdout
-    where = dict(ran)
-    assert {where[f"i{n}"] for n in range(6)} == {"gw0"}  # one lane for the integration units
+    assert "18 passed" in r.stdout
+    where = _where(ran)
+    integration = [f"i{n}" for n in range(6)] + ["w0", "w1", "c0", "c1"]
+    assert {where[name] for name in integration} == {"gw0"}  # one lane for the integration units
     units = {where[f"u{m}_{n}"] for m in range(4) for n in range(2)}
     assert units <= {"gw0", "gw1", "gw2"} and units & {"gw1", "gw2"}, ran  # the unit tests beside them
 
@@ -61,9 +105,13 @@ def test_integration_units_keep_to_their_workers_and_the_units_run_beside_them(t
 def test_two_integration_workers_by_default(tmp_path: Path) -> None:
     r, ran = _run(tmp_path, "-n", "4", workers=None)
     assert r.returncode == 0, r.stdout + r.stderr
-    where = dict(ran)
-    assert {where[f"i{n}"] for n in range(6)} <= {"gw0", "gw1"}, ran
+    where = _where(ran)
+    assert {where[name] for name in [f"i{n}" for n in range(6)] + ["w0", "w1", "c0", "c1"]} <= {"gw0", "gw1"}, ran
+    assert len({where[f"i{n}"] for n in range(6)}) == 2, ran  # both integration workers took units
     assert suite.integration_workers({}) == suite.INTEGRATION_WORKERS == 2
+    # the two spinning hangs' units never ran at the same time, though two workers took integration units
+    wedge, collective = _span(ran, "w"), _span(ran, "c")
+    assert wedge[1] <= collective[0] or collective[1] <= wedge[0], (wedge, collective)
 
 
 def test_a_bad_number_of_integration_workers_is_a_usage_error(tmp_path: Path) -> None:
