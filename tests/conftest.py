@@ -124,6 +124,8 @@ class SkipPolicy:
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):  # the run itself (xdist's controller, or a serial run), not a worker
         config.pluginmanager.register(ServerLeakCheck(), "wedgectl-server-leak-check")
+    else:
+        own_session()
     if parallel(config):
         config.option.loadscopereorder = False  # hand units out in the order collected (see work_unit)
     if config.getoption("dist", "no") == "loadgroup" and not hasattr(config, "workerinput"):
@@ -137,6 +139,22 @@ def pytest_configure(config: pytest.Config) -> None:
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
         config.pluginmanager.register(SkipPolicy(allowed, ALLOW_LIST), "wedgectl-skip-policy")
+
+
+def own_session() -> None:
+    """Put this xdist worker, and what it starts from now on, in a session of its own.
+
+    With the kernel's autogroup on (most distributions' default), CPU time is shared between sessions first.
+    Every vLLM server a test starts runs in a session of its own, and so does an operator's shell, but the
+    workers all inherit the run's: the four of them, and every wedgectl they run, would share one session's
+    share of the host against each server's. A kept hang that spins (the admission wedge's engine loop took 1.2
+    of the 2 cores, measured) then starved the very commands that examine it, and lasted, and spun, the longer
+    (its unit 350 s; alone, 130 s). One session per worker gives each test the share a command run by hand
+    beside a server gets."""
+    try:
+        os.setsid()
+    except OSError:  # already a session leader (a worker started so), or not allowed: the run goes on as it was
+        pass
 
 
 # --- servers left behind ---------------------------------------------------------------------------------
