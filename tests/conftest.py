@@ -147,10 +147,11 @@ def own_session() -> None:
     With the kernel's autogroup on (most distributions' default), CPU time is shared between sessions first.
     Every vLLM server a test starts runs in a session of its own, and so does an operator's shell, but the
     workers all inherit the run's: the four of them, and every wedgectl they run, would share one session's
-    share of the host against each server's. A kept hang that spins (the admission wedge's engine loop took 1.2
-    of the 2 cores, measured) then starved the very commands that examine it, and lasted, and spun, the longer
-    (its unit 350 s; alone, 130 s). One session per worker gives each test the share a command run by hand
-    beside a server gets."""
+    share of the host against each server's. A kept hang that spins (the admission wedge's EngineCore and Worker
+    took 1.2 of the 2 cores while its unit ran, measured from /proc) then starved the very commands that examine
+    it, and lasted, and spun, the longer. One session per worker gives each test the share a command run by hand
+    beside a server gets (measured: the suite 22.1 minutes before, 19.6 with it and the spinning units one at a
+    time; the unit tests done at 7.3 minutes, not 10-11)."""
     try:
         os.setsid()
     except OSError:  # already a session leader (a worker started so), or not allowed: the run goes on as it was
@@ -271,8 +272,9 @@ def work_unit(item: pytest.Item) -> str:
 INTEGRATION_PREFIX = "integration:"
 # A kept hang that spins a core for as long as its unit lasts (the admission wedge's engine loop, the collective
 # hang's waiting rank), shared by the unit's tests. Two at once starve everything else, each other included: each
-# lasts longer, so each spins longer (measured: the wedge's unit 361 s and the collective's 292 s, side by side
-# at the run's start, against ~100 s and ~140 s alone). One runs at a time (LaneScheduling.next_unit_for).
+# lasts longer, so each spins longer (measured: the wedge's unit 361 s and the collective's 292 s side by side at
+# the run's start; one after the other, with each worker in a session of its own, 270 s and 107 s). One runs at a
+# time (LaneScheduling.next_unit_for).
 SPINNING_FIXTURES = ("admission_wedge", "hung_tp2")
 SPINNING_TAG = "spins:"
 LANES_ENV = "WEDGECTL_INTEGRATION_WORKERS"
