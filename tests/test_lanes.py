@@ -34,28 +34,10 @@ def admission_wedge():
 def hung_tp2():
     return "tp2"
 """
-SPINNING = """
-import pytest
-from conftest import record
-pytestmark = pytest.mark.integration
-
-def test_a(admission_wedge):
-    record("w0", 1.0)
-
-def test_b(admission_wedge):
-    record("w1", 1.0)
-"""
-COLLECTIVE = """
-import pytest
-from conftest import record
-pytestmark = pytest.mark.integration
-
-def test_c(hung_tp2):
-    record("c0", 1.0)
-
-def test_d(hung_tp2):
-    record("c1", 1.0)
-"""
+def kept_hang_module(fixture: str, *names: str) -> str:
+    """A generated integration module whose tests all use one kept-hang fixture, each noting `name`."""
+    tests = "".join(f"def test_{name}({fixture}):\n    record({name!r}, 1.0)\n\n" for name in names)
+    return "import pytest\nfrom conftest import record\npytestmark = pytest.mark.integration\n\n" + tests
 
 
 def _run(tmp_path: Path, *args: str, workers: str | None) -> tuple[subprocess.CompletedProcess[str], list]:
@@ -66,8 +48,8 @@ def _run(tmp_path: Path, *args: str, workers: str | None) -> tuple[subprocess.Co
                                            # a parametrized one, a unit of its own: xdist's scope is its whole id
                                            "@pytest.mark.parametrize('k', [4, 5])\n"
                                            "def test_p(k):\n    record(f'i{k}', 1.0)\n")
-    (tmp_path / "test_spinning.py").write_text(SPINNING)
-    (tmp_path / "test_collective.py").write_text(COLLECTIVE)
+    (tmp_path / "test_spinning.py").write_text(kept_hang_module("admission_wedge", "w0", "w1"))
+    (tmp_path / "test_collective.py").write_text(kept_hang_module("hung_tp2", "c0", "c1"))
     for m in range(4):
         (tmp_path / f"test_unit{m}.py").write_text("from conftest import record\n" + "".join(
             f"def test_u{m}_{n}():\n    record('u{m}_{n}', 0.1)\n" for n in range(2)))
