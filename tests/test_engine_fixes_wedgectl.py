@@ -69,19 +69,27 @@ def test_deadlock_needs_errors_and_health_503_within_the_watchdog_bound():
 
 
 def test_the_heartbeat_must_freeze_and_age_with_the_clock_before_the_watchdog():
-    """Readings every 0.5 s (time, steps, model steps, step age, model step age): three steps, then blocked."""
-    steps = [(0.0, 5, 3, 0.1, 0.1), (0.5, 6, 4, 0.1, 0.1), (1.0, 7, 5, 0.2, 0.2)]
-    blocked = [(1.0 + 0.5 * k, 7, 5, 0.2 + 0.5 * k, 0.2 + 0.5 * k) for k in range(1, 12)]
+    """Readings every 0.5 s, each answered 0.1 s after it was sent (sent, answered, steps, model steps, step age,
+    model step age): three steps, then blocked."""
+    steps = [(0.0, 0.1, 5, 3, 0.1, 0.1), (0.5, 0.6, 6, 4, 0.1, 0.1), (1.0, 1.1, 7, 5, 0.2, 0.2)]
+    blocked = [(1.0 + 0.5 * k, 1.1 + 0.5 * k, 7, 5, 0.2 + 0.5 * k, 0.2 + 0.5 * k) for k in range(1, 12)]
     hb = heartbeat_stall(steps + blocked)
-    assert hb is not None and (hb["steps"], hb["model_steps"], hb["frozen_s"]) == (7, 5, 5.5)
+    # proven frozen from the first frozen reading's answer (1.1) to the last one's send (6.5)
+    assert hb is not None and (hb["steps"], hb["model_steps"], hb["frozen_s"]) == (7, 5, 5.4)
     assert hb["step_age_grew_s"] == hb["model_step_age_grew_s"] == 5.5 and hb["model_step_age_s"] == 5.7
     reqs = [{"status": 503, "body": ERR_503, "elapsed_s": 8.4}] * 2
     ok = Observation(client=reqs, health_503_after_s=8.7, exit_s=0.4, watchdog_s=8.0, heartbeat=hb)
     checks = by_name(evaluate("engine_deadlock", ok))
-    assert checks["heartbeat ages while blocked"].passed and "frozen at 7 (5 with model work) for 5.5 s" in \
+    assert checks["heartbeat ages while blocked"].passed and "frozen at 7 (5 with model work) for 5.4 s" in \
         checks["heartbeat ages while blocked"].detail
+    # a loaded host: the last scrape was sent at 5.0 but answered at 10.1, its ages read about 5 s before it
+    # came back; the stretch proven is the 3.9 s up to its send, and its ages grew that much
+    slow = heartbeat_stall(steps + blocked[:7] + [(5.0, 10.1, 7, 5, 4.3, 4.3)])
+    assert slow is not None and slow["frozen_s"] == 3.9 and slow["step_age_grew_s"] == 4.1
+    assert by_name(evaluate("engine_deadlock", dataclasses.replace(ok, heartbeat=slow)))[
+        "heartbeat ages while blocked"].passed
     # ages that stop growing (an engine still taking empty steps would reset the step age) fail it
-    stuck = heartbeat_stall(steps + [(t, 7, 5, 0.3, a) for t, _, _, _, a in blocked])
+    stuck = heartbeat_stall(steps + [(s, c, 7, 5, 0.3, a) for s, c, _, _, _, a in blocked])
     assert not by_name(evaluate("engine_deadlock", dataclasses.replace(ok, heartbeat=stuck)))[
         "heartbeat ages while blocked"].passed
     # seen frozen too briefly before the 503 says nothing

@@ -15,7 +15,7 @@ import pytest
 from wedgectl.collect.scrape import Scraper
 from wedgectl.read.metrics import JUDGED_SERIES, parse_metrics
 from wedgectl.lab.lifecycle import log_tail
-from wedgectl.lab.patched import run_patched
+from wedgectl.lab.patched import HEARTBEAT_SLACK_S, run_patched
 from wedgectl.lab.engine_install import ensure_engine_plugin
 from wedgectl.render.text import render_patched
 from wedgectl.lab.repro import find_config, list_configs
@@ -70,7 +70,7 @@ def test_repro_patched_does_not_hang(name: str, vllm_python: Path, tiny_model: P
         beat = next(c for c in result.checks if c.name == "heartbeat ages while blocked")
         hb = result.observation.heartbeat
         assert beat.passed and hb is not None and hb["frozen_s"] >= 2.0, (beat, hb)
-        assert hb["model_step_age_grew_s"] >= hb["frozen_s"] - 1.0 and hb["step_age_grew_s"] >= hb["frozen_s"] - 1.0
+        assert min(hb["model_step_age_grew_s"], hb["step_age_grew_s"]) >= hb["frozen_s"] - HEARTBEAT_SLACK_S
     if result.config.expected in ("startup_hang", "orphaned_engine"):
         return  # no SIGTERM in these: the server ends its own start-up, or its API server is SIGKILLed
     exit_check = next(c for c in result.checks if c.name == "exit on SIGTERM")

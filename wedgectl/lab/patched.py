@@ -52,7 +52,7 @@ IDLE_S = 2.0
 STARTUP_S = 90.0
 STARTUP_SLACK_S = 60.0  # the API server's own start before its wait begins, and vLLM's teardown
 HEARTBEAT_FROZEN_S = 2.0  # the heartbeat must be seen frozen this long before the watchdog (8 s) answers 503
-HEARTBEAT_SLACK_S = 1.0  # its ages are the plugin's, read at each scrape: they may trail the scrape clock
+HEARTBEAT_SLACK_S = 0.25  # the ages surely grew as long as the stretch proven frozen (heartbeat_stall): rounding
 ORPHAN_BOUND_S = 10.0  # the parent watch polls every 1 s, then gives SIGTERM 5 s before it kills
 STARTUP_FAILED_LINE = "wedge_engine: start-up did not finish within"
 
@@ -194,15 +194,22 @@ def check_health_503(obs: Observation, bound_s: float) -> Check:
                                    f"({'within' if ok else 'beyond'} {bound_s:g} s)", obs.health_503_after_s)
 
 
-def heartbeat_stall(beats: list[tuple[float, float, float, float, float]]) -> dict[str, float] | None:
-    """The heartbeat's last frozen stretch, from readings (monotonic time, steps, model steps, step age, model
-    step age) taken while /health still answered 200: the counts at the last reading, since when they held, and
-    how far each age grew meanwhile. None without a reading."""
+Beat = tuple[float, float, float, float, float, float]
+
+
+def heartbeat_stall(beats: list[Beat]) -> dict[str, float] | None:
+    """The heartbeat's last frozen stretch, from readings (monotonic time the scrape was sent, the time its answer
+    came, steps, model steps, step age, model step age) taken while /health still answered 200: the counts at the
+    last reading, how long they surely held, and how far each age grew meanwhile. None without a reading.
+
+    The server read its record somewhere between a scrape's send and its answer, and a loaded host can put
+    seconds between the two; so the stretch is the one the readings prove, from the first frozen reading's
+    answer to the last one's send, and an engine that is truly blocked ages at least that much."""
     if not beats:
         return None
-    t1, steps, model_steps, step_age, model_age = beats[-1]
-    t0, _, _, step_age0, model_age0 = next(b for b in beats if (b[1], b[2]) == (steps, model_steps))
-    return {"steps": steps, "model_steps": model_steps, "frozen_s": round(t1 - t0, 2),
+    sent1, _, steps, model_steps, step_age, model_age = beats[-1]
+    _, came0, _, _, step_age0, model_age0 = next(b for b in beats if (b[2], b[3]) == (steps, model_steps))
+    return {"steps": steps, "model_steps": model_steps, "frozen_s": round(max(0.0, sent1 - came0), 2),
             "step_age_s": round(step_age, 2), "model_step_age_s": round(model_age, 2),
             "step_age_grew_s": round(step_age - step_age0, 2),
             "model_step_age_grew_s": round(model_age - model_age0, 2)}
@@ -433,7 +440,7 @@ def _drive(cfg: ReproConfig, server: Server, workload: Workload, obs: Observatio
     start = time.monotonic()
     workload.start_now()
     history: list[tuple[float, Any]] = []
-    beats: list[tuple[float, float, float, float, float]] = []
+    beats: list[Beat] = []
     try:
         _poll(cfg, server, workload, obs, progress, notes, bound, start, history, beats)
     finally:
@@ -443,12 +450,13 @@ def _drive(cfg: ReproConfig, server: Server, workload: Workload, obs: Observatio
 
 def _poll(cfg: ReproConfig, server: Server, workload: Workload, obs: Observation, progress: Callable[[str], None],
           notes: list[str], bound: float, start: float, history: list[tuple[float, Any]],
-          beats: list[tuple[float, float, float, float, float]]) -> None:
+          beats: list[Beat]) -> None:
     """_drive's loop: scrape, poll /health, until the outcome the config's class expects (or the bound)."""
     expected = cfg.expected
     n_requests = sum(s.count for s in cfg.requests if not s.stalled_upload)
     with health_client() as client:
         while time.monotonic() - start < bound:
+            sent = time.monotonic()
             snap = scrape_snapshot(client, server.url)
             if snap is not None:
                 history.append((time.monotonic(), snap))
@@ -457,7 +465,7 @@ def _poll(cfg: ReproConfig, server: Server, workload: Workload, obs: Observation
                 age, model_age = snap.heartbeat_step_age, snap.heartbeat_model_step_age
                 if obs.health_503_after_s is None and steps is not None and model_steps is not None and \
                         age is not None and model_age is not None:
-                    beats.append((time.monotonic(), steps, model_steps, age, model_age))
+                    beats.append((sent, history[-1][0], steps, model_steps, age, model_age))
             if obs.health_503_after_s is None and health_status(client, server.url) == 503:
                 obs.health_503_after_s = round(time.monotonic() - start, 2)
             done = len([r for r in workload.results if not r.get("stalled_upload")])
