@@ -24,6 +24,7 @@ from wedgectl.collect import procfs
 from wedgectl.capture.options import SamplerOptions
 from wedgectl.capture.policy import CERTAIN, next_step, stacks_cannot_help
 from wedgectl.model.types import Bundle, CpuLimit, Role, VerdictKind
+from wedgectl.watch.targets import MIN_CLASSIFY, verdict_window
 
 from test_probes import _FixedClock  # noqa: E402  (a scheduler clock with given offsets; same folder)
 
@@ -440,3 +441,27 @@ def test_zero_gauges_with_a_runnable_thread_under_a_cpu_limit_are_not_a_certain_
     assert v.verdict is VerdictKind.IDLE and v.confidence < CERTAIN
     step = next_step(v, 2, b.samples[-1].t - b.samples[0].t, SamplerOptions(window_s=8.0), False, False)
     assert not step.stop
+
+
+LIGHT_LOAD = Path(__file__).parent / "fixtures" / "bundles" / "engine-queued-light-load.tar.gz"
+
+
+def test_tokens_made_in_the_window_are_progress_however_queued_the_engine():
+    """Recorded by tests/fixtures/bundles/record_queued_light_load.py: `watch`'s own looks (cheap and full, one a
+    second) of a real vLLM 0.32 server held to 0.05 cores by a CPU limit, serving one 8-token completion every
+    2 s from a client process of its own (the healthy control of test_watch_prometheus, which read `inconclusive`
+    when both cores were hogged). Its window at look 10 made tokens, its last scrape fell between two requests (0
+    running, 0 waiting) and its main thread waited for a CPU: that read as `the engine is waiting for a CPU ...
+    counters frozen`, beside a counter that had just moved. Replayed window by window as the watch takes them,
+    no window names a hang, and that one says the engine is serving, and why it is slow."""
+    b = replace(read_bundle(LIGHT_LOAD), verdict=None)
+    windows = [verdict_window(b.samples[:k]) for k in range(1, len(b.samples) + 1)]
+    verdicts = [classify(replace(b, samples=w)) for w in windows]
+    assert not [(k, v.verdict) for k, v in enumerate(verdicts, 1) if v.verdict in HANGS]
+    sought = next(k for k, w in enumerate(windows, 1) if len(w) >= 10 and (f := Facts(replace(b, samples=w)))
+                  .tokens_advance and not f.running and not f.waiting and f.engine_waits_for_cpu)
+    v = verdicts[sought - 1]
+    assert (sought, v.verdict, v.rule) == (10, VerdictKind.PROGRESSING, "live_progressing")
+    assert any("waited for a CPU" in e.what for e in v.evidence)
+    # and once the window has slid past the start, still serving at every look
+    assert {v.verdict for v in verdicts[MIN_CLASSIFY:]} == {VerdictKind.PROGRESSING}

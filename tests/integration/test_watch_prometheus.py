@@ -231,7 +231,7 @@ def test_watch_exports_a_wedge_to_prometheus_and_fails_livez(vllm_server, kept_w
             assert b.log_lines and b.manifest.target.pid == kept_wedge["pid"]
             # 6. the healthy control: evaluated all along, never in a hang class, never alerted
             view = targets()[healthy]
-            assert view["verdict"] in ("idle", "progressing") and view["live"] and view["episodes"] == []
+            assert view["verdict"] in ("idle", "progressing") and view["live"] and view["episodes"] == [], view
             # at least 5 of Prometheus's scrapes carried it (polled: with the wedge already established,
             # steps 1-5 can take less than 5 scrape intervals)
             def scraped_5() -> list[dict]:

@@ -230,8 +230,12 @@ def live_engine_waits_for_cpu(f: Facts) -> bool:
     the EngineCore runnable with 0.00 cores for 3 s while 8 streams were being served). Frozen
     counters then say nothing about a hang, so no hang is named; the capture goes on. The same
     holds when the engine's last published gauges say nothing is in flight: an engine stopped by
-    the host before it could publish the request it was handed reads as idle, counters frozen."""
-    return f.engine_waits_for_cpu and (live_engine_deadlock(f) or _nothing_in_flight(f))
+    the host before it could publish the request it was handed reads as idle, counters frozen.
+    Not where tokens came within the window, though: those are steps the engine took, and with
+    nothing in flight since, that is progress however queued (seen: `watch` of a lightly loaded
+    server held to 0.05 cores, a completion every 2 s, its last scrape between two requests, read
+    as waiting for a CPU with 8 tokens just made)."""
+    return f.engine_waits_for_cpu and (live_engine_deadlock(f) or (_nothing_in_flight(f) and not f.tokens_advance))
 
 
 def _waits_for_cpu_verdict(f: Facts) -> Verdict:

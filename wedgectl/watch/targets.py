@@ -6,6 +6,7 @@ import os
 import socket
 import sys
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
@@ -79,6 +80,17 @@ def parse_users(text: str) -> frozenset[int]:
         except (KeyError, ValueError):
             raise ValueError(f"--users: no such user {item[:40]!r}") from None
     return frozenset(uids)
+
+
+def verdict_window(samples: Sequence[Sample]) -> tuple[Sample, ...]:
+    """The kept samples a verdict rests on: the last CLASSIFY_S, and at least MIN_CLASSIFY."""
+    if not samples:
+        return ()
+    end = samples[-1].t
+    recent = [s for s in samples if end - s.t <= CLASSIFY_S]
+    if len(recent) < MIN_CLASSIFY:
+        recent = list(samples)[-MIN_CLASSIFY:]
+    return tuple(recent)
 
 
 def sample_bytes(sample: Sample) -> int:
@@ -209,14 +221,8 @@ class Watched:
         return self.session.log_tail(max_bytes, max_age_s=0.0 if fresh else LOG_EVERY_S)
 
     def window(self) -> tuple[Sample, ...]:
-        """The samples the verdict rests on: the last CLASSIFY_S, and at least MIN_CLASSIFY."""
-        if not self.samples:
-            return ()
-        end = self.samples[-1].t
-        recent = [s for s in self.samples if end - s.t <= CLASSIFY_S]
-        if len(recent) < MIN_CLASSIFY:
-            recent = list(self.samples)[-MIN_CLASSIFY:]
-        return tuple(recent)
+        """The samples the verdict rests on (verdict_window)."""
+        return verdict_window(self.samples)
 
     def bundle(self, note: str, full_window: bool = True, log_bytes: int = VERDICT_LOG_BYTES,
                fresh_log: bool = False) -> Bundle:
