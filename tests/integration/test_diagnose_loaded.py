@@ -12,7 +12,6 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 
 import httpx
 import psutil
@@ -26,6 +25,8 @@ from wedgectl.model.exitcodes import VERDICT_CODES
 from wedgectl.lab.repro import scrape_snapshot
 from wedgectl.capture.policy import CERTAIN, engine_stepping
 from wedgectl.model.types import VerdictKind
+
+from cpu_limit import CgroupCpuLimit
 
 HANGS = {VerdictKind.ENGINE_DEADLOCK, VerdictKind.ADMISSION_WEDGE, VerdictKind.COLLECTIVE_HANG,
          VerdictKind.SHUTDOWN_HANG, VerdictKind.ENGINE_DEAD}
@@ -85,47 +86,6 @@ def test_saturated_server_is_progressing_without_waiting_out_the_window(loaded, 
 
 
 # --- an engine its CPU limit starves -------------------------------------------------
-
-
-class CgroupCpuLimit:
-    """A CPU cgroup limited to QUOTA_US per PERIOD_US (what a container's CPU limit does, set far too
-    low), cgroup v1's cpu controller or v2's cpu.max; processes moved in keep their threads together."""
-
-    QUOTA_US, PERIOD_US = 1000, 1_000_000
-
-    def __init__(self) -> None:
-        v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
-        self.v1 = (v1 / "cpu.cfs_quota_us").exists()
-        self.root = v1 if self.v1 else v2
-        self.dir = self.root / f"wedgectl-test-{os.getpid()}"
-
-    def __enter__(self) -> CgroupCpuLimit:
-        try:
-            if not self.v1:
-                if "cpu" not in (self.root / "cgroup.controllers").read_text().split():
-                    raise OSError("no cpu controller in cgroup v2")
-                (self.root / "cgroup.subtree_control").write_text("+cpu")
-            self.dir.mkdir()
-            if self.v1:
-                (self.dir / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
-                (self.dir / "cpu.cfs_quota_us").write_text(str(self.QUOTA_US))
-            else:
-                (self.dir / "cpu.max").write_text(f"{self.QUOTA_US} {self.PERIOD_US}")
-        except OSError as exc:
-            self.dir.rmdir() if self.dir.exists() else None
-            pytest.skip(f"cannot set a CPU limit on this host: {exc}")
-        return self
-
-    def add(self, pid: int) -> None:
-        (self.dir / "cgroup.procs").write_text(str(pid))
-
-    def __exit__(self, *exc: object) -> None:
-        for line in (self.dir / "cgroup.procs").read_text().split():
-            try:
-                (self.root / "cgroup.procs").write_text(line)
-            except OSError:
-                pass  # gone meanwhile
-        self.dir.rmdir()
 
 
 def _tokens_stop(url: str, quiet_s: float = 4.0, bound_s: float = 90.0) -> float:
