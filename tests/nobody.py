@@ -100,9 +100,9 @@ def check_as_nobody(pid: int, root: dict, *said: str, flags: tuple[str, ...] = (
     engine = " | ".join(engine_lines(out))
     everything = " | ".join(e["what"] for e in out["evidence"])
     ranks = [{k: r.get(k) for k in ("label", "pid", "state", "cpu_cores", "where")} for r in out.get("ranks") or ()]
-    assert (out["verdict"], rc) == (root["verdict"], VERDICT_CODES[VerdictKind(root["verdict"])]), (
-        f"{out['summary']} || {everything} || ranks {ranks} || as root now: {tree_now(pid)}")
-    assert out["confidence"] >= root["confidence"], (out["confidence"], root["confidence"], out["rule"])
+    why = f"{out['summary']} || {everything} || ranks {ranks} || as root now: {tree_now(pid)}"
+    assert (out["verdict"], rc) == (root["verdict"], VERDICT_CODES[VerdictKind(root["verdict"])]), why
+    assert out["confidence"] >= root["confidence"], (out["confidence"], root["confidence"], out["rule"], why)
     assert "stage " in engine, everything
     for text in said:
         assert text in engine, (text, engine)
