@@ -35,16 +35,24 @@ FAKE_VLLM = textwrap.dedent(
         print("ValueError: no such model", flush=True)
         sys.exit(3)
 
+    up_r, up_w = os.pipe()
+
     def child(depth):
         if os.environ.get("FAKE_CHILD_IGNORES_TERM"):
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if depth and os.fork() == 0:
             child(depth - 1)
+        if not depth:
+            os.write(up_w, b"up")
         while True:
             time.sleep(1)
 
     if os.fork() == 0:
         child(1)  # an "EngineCore" with a "Worker" below it
+    # Like vLLM: the API server serves once its engine is up (the "Worker" forked), never before; on a loaded
+    # host /health once answered while the "EngineCore" had yet to fork its "Worker"
+    os.close(up_w)
+    os.read(up_r, 2)
     def shutdown(signum, frame):
         # Like vLLM: on SIGTERM the API server takes its engine down with it.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
