@@ -316,6 +316,26 @@ def test_fallback_order_on_a_real_deadlock(spawn: Callable[..., Target], monkeyp
 
 
 @needs_ebpf
+def test_a_late_exit_keeps_the_window_the_timer_ended(spawn: Callable[..., Target]) -> None:
+    """bpftrace acts on its timer's exit() in user space; on a loaded host that can come after the timer has fired
+    again. Its process stopped across the second firing, the window is still the first's."""
+    target = spawn(TARGETS / "deadlock.py")
+    target.expect("ready")
+    run = ebpf.start_probes([target.pid], "on", backend="bpftrace", max_s=2.0)  # returns once BEGIN has run
+    assert run._proc is not None
+    t_stop = time.monotonic()
+    run._proc.send_signal(signal.SIGSTOP)
+    stopped_in_window = run._proc.poll() is None and time.monotonic() - t_stop < 0.5
+    time.sleep(4.5)  # the timer fires at 2 s and at 4 s, the second while bpftrace cannot act on the first
+    run._proc.send_signal(signal.SIGCONT)
+    records, failures = run.stop()
+    header = _header(records)
+    assert not failures and header["backend"] == "bpftrace", (failures, header)
+    assert 1.95 <= header["window_s"] < 2.5, header  # the first firing's time; 4 s read the second's
+    print(f"window {header['window_s']} s; bpftrace stopped before the first firing: {stopped_in_window}")
+
+
+@needs_ebpf
 def test_detach_on_timeout_error_and_ctrl_c(spawn: Callable[..., Target], monkeypatch: pytest.MonkeyPatch) -> None:
     target = spawn(TARGETS / "deadlock.py")
     info = target.expect("ready")

@@ -100,8 +100,9 @@ def bpftrace_program(probes: Sequence[str], pids: Iterable[int], max_s: float, l
         "BEGIN\n{\n" + "".join(begins) +
         f"  @t_begin = nsecs;\n  printf(\"{READY_MARK}\\n\");\n}}\n"
         + "".join(bodies)
-        # the timer ends the window in the kernel, to the millisecond; END (user space, later) reports
-        + f"\ninterval:ms:{ms}\n{{\n  @t_end = nsecs;\n  exit();\n}}\n"
+        # the timer ends the window in the kernel, to the millisecond; END (user space, later) reports.
+        # Its first firing only: on a loaded host bpftrace may act on exit() after the timer has fired again
+        + f"\ninterval:ms:{ms}\n{{\n  if (@t_end == 0) {{\n    @t_end = nsecs;\n  }}\n  exit();\n}}\n"
         + "\nEND\n{\n  if (@t_end == 0) {\n    @t_end = nsecs;\n  }\n" + "".join(ends) + "}\n"
     )
     return text.replace("__FILTER__", pred).replace("__MIN_NS__", min_wait_ns(min_wait_s))
