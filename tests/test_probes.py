@@ -312,6 +312,45 @@ def test_main_thread_quiet_on_a_recorded_tree(tmp_path: Path, monkeypatch) -> No
     assert procfs.main_thread_quiet_s(999, tmp_path, _FixedClock({1: 5.0})) is None  # gone
 
 
+def test_a_thread_that_ran_between_the_reads_has_been_quiet_no_longer_than_they_took(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    """exec_start changed between the two reads of sched: the thread ran while it was read, so its quiet is at most
+    the read's length (it read as unknown before)."""
+    from wedgectl.collect.procfs import sched
+
+    d = tmp_path / "4138"
+    d.mkdir()
+    (d / "stat").write_text(STAT)
+    (d / "sched").write_text(SCHED)
+    reads = iter([SCHED, SCHED.replace("2022667.010839", "2022667.110839")])
+    real = sched.read_or_none
+    monkeypatch.setattr(sched, "read_or_none", lambda p: next(reads) if Path(p).name == "sched" else real(p))
+    began = time.monotonic()
+    quiet = procfs.main_thread_quiet_s(4138, tmp_path, _FixedClock({1: 5.0}))
+    assert quiet is not None and 0.0 <= quiet <= time.monotonic() - began
+
+
+def test_a_thread_that_sleeps_a_millisecond_a_loop_is_never_read_as_unknown() -> None:
+    """A busy loop that naps 1 ms per turn (vLLM's EngineCore between empty steps) runs during one read in nine
+    here; each of those reads says it ran, not "unknown"."""
+    if procfs.parse_exec_start(Path("/proc/self/sched").read_text() if Path("/proc/self/sched").exists() else "") is None:
+        pytest.skip("no /proc/PID/sched on this kernel")
+    napper = subprocess.Popen([sys.executable, "-c", "import time\nprint('ready', flush=True)\n"
+                               "while True: time.sleep(0.001)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert napper.stdout is not None and napper.stdout.readline().strip() == "ready"
+        quiets = []
+        for _ in range(300):
+            quiets.append(procfs.main_thread_quiet_s(napper.pid))
+            time.sleep(0.002)
+        assert None not in quiets, quiets.count(None)
+        # on a loaded host its nap can stretch to a wait for a CPU: runnable, which reads 0
+        assert sorted(quiets)[len(quiets) // 2] < 0.05, sorted(quiets)[-10:]
+    finally:
+        napper.kill()
+        napper.wait()
+
+
 def test_main_thread_quiet_of_real_processes() -> None:
     """A child asleep for a second and a half has had no CPU that long; a spinning one has had it throughout."""
     if procfs.parse_exec_start(Path("/proc/self/sched").read_text() if Path("/proc/self/sched").exists() else "") is None:

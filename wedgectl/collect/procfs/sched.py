@@ -138,12 +138,16 @@ def main_thread_sched(pid: int, proc_root: Path = PROC,
 
     se.exec_start is stamped on the clock of the CPU the thread ran on; stat names that CPU. The
     sched file is read on both sides of stat and must not change in between: then the thread did
-    not run between the reads, and the CPU stat names is the one that stamped it. A migration
-    zeroes exec_start, which reads as unknown. quiet_s is a lower bound on a VM: the CPU's task clock
-    stops while the hypervisor steals it, so the steal since the thread last ran is not counted
+    not run between the reads, and the CPU stat names is the one that stamped it. Where it changed,
+    the thread ran (or was woken) while it was read: it has been quiet for less than the read took,
+    which is what quiet_s says (a thread that naps 1 ms per loop, as vLLM's EngineCore between
+    empty steps, read as unknown one time in nine). A migration zeroes exec_start, which reads as
+    unknown. quiet_s is a lower bound on a VM: the CPU's task clock stops while the hypervisor
+    steals it, so the steal since the thread last ran is not counted
     (the conservative side for a deadlock rule). Either figure is None where it cannot be read (no
     CONFIG_SCHED_DEBUG or schedstat, a CPU out of reach, the process gone)."""
     base = proc_root / str(pid)
+    began = time.monotonic()
     first = read_or_none(base / "sched")
     stat_text = read_or_none(base / "stat")
     schedstat = read_or_none(base / "schedstat")
@@ -160,8 +164,10 @@ def main_thread_sched(pid: int, proc_root: Path = PROC,
     if first is None or second is None:
         return None, None if runnable else delay
     since: float | None = None  # seconds since it last ran
-    es = parse_exec_start(first)
-    if es and es == parse_exec_start(second) and st.processor is not None:
+    es, es_after = parse_exec_start(first), parse_exec_start(second)
+    if es and es_after and es_after != es:  # it ran between the reads
+        since = time.monotonic() - began
+    elif es and es == es_after and st.processor is not None:
         offset = (clock or CLOCK).offset(st.processor)
         if offset is not None:
             since = max(0.0, time.monotonic() - (es + offset))
