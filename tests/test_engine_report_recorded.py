@@ -84,6 +84,11 @@ def test_a_deferred_wedge_is_as_sure_without_stacks():
     assert len(stepped["waiting_ids"]) == 3
     bare = replace(b, samples=tuple(replace(s, engine=()) for s in b.samples))
     assert classify(bare).confidence < v.confidence
+    # no CPU figure nor main-thread quiet (a busy host can read either short): the report's steps still say it steps
+    blind = replace(b, samples=tuple(replace(s, processes=()) for s in b.samples))
+    seen = classify(blind)
+    assert (seen.verdict, seen.confidence) == (VerdictKind.ADMISSION_WEDGE, 0.9), (seen.confidence, seen.summary)
+    assert seen.summary.endswith("engine stepping.") and "stepped" in " ".join(e.what for e in seen.evidence)
 
 
 def test_starved_names_the_runaway():

@@ -164,13 +164,15 @@ def live_admission_wedge(f: Facts) -> bool:
     stale gauges (parked, no heartbeat) is left to the deadlock rule."""
     if f.waiting < 1 or f.running > 0 or not (f.tokens_frozen or wedge_refused_for_capacity(f)):
         return False
-    return not (f.engine_parked and not f.heartbeat_spinning and not f.engine_stepping)
+    return not (f.engine_parked and not f.heartbeat_spinning and not f.engine_stepping and not stepping_idle(f))
 
 
 def _admission_wedge_verdict(f: Facts) -> Verdict:
     m = f.last_metrics
     assert m is not None
-    spinning = f.engine_spinning or f.heartbeat_spinning or f.engine_stepping
+    # the engine's own report counting steps that admit nothing is as good as its CPU or its main thread's quiet:
+    # on a busy host those read short of a spin (a slice of a core; a nap that straddles each read)
+    spinning = f.engine_spinning or f.heartbeat_spinning or f.engine_stepping or stepping_idle(f)
     if not spinning:
         confidence = C.WEDGE_METRICS_ONLY
     elif f.heartbeat_spinning or f.tokens_frozen_s >= CERTAIN_FROZEN_S:
