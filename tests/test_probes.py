@@ -225,9 +225,15 @@ def test_thread_schedstats_of_a_recorded_tree_and_of_this_process(tmp_path: Path
     assert spin and mine[threading.get_native_id()][0] > 0 and mine[threading.get_native_id()][2] > 0
 
 
-def test_sched_clock_offsets_are_small_and_positive() -> None:
-    if procfs.parse_exec_start(Path("/proc/self/sched").read_text() if Path("/proc/self/sched").exists() else "") is None:
+def _skip_without_sched() -> None:
+    """Skip where this kernel has no /proc/PID/sched with se.exec_start (no CONFIG_SCHED_DEBUG)."""
+    sched = Path("/proc/self/sched")
+    if procfs.parse_exec_start(sched.read_text() if sched.exists() else "") is None:
         pytest.skip("no /proc/PID/sched on this kernel")
+
+
+def test_sched_clock_offsets_are_small_and_positive() -> None:
+    _skip_without_sched()
     offsets = procfs.sched_clock_offsets(sorted(os.sched_getaffinity(0)))
     assert offsets and all(-0.01 < v < 3600 for v in offsets.values())
 
@@ -333,8 +339,7 @@ def test_a_thread_that_ran_between_the_reads_has_been_quiet_no_longer_than_they_
 def test_a_thread_that_sleeps_a_millisecond_a_loop_is_never_read_as_unknown() -> None:
     """A busy loop that naps 1 ms per turn (vLLM's EngineCore between empty steps) runs during one read in nine
     here; each of those reads says it ran, not "unknown"."""
-    if procfs.parse_exec_start(Path("/proc/self/sched").read_text() if Path("/proc/self/sched").exists() else "") is None:
-        pytest.skip("no /proc/PID/sched on this kernel")
+    _skip_without_sched()
     napper = subprocess.Popen([sys.executable, "-c", "import time\nprint('ready', flush=True)\n"
                                "while True: time.sleep(0.001)"], stdout=subprocess.PIPE, text=True)
     try:
@@ -353,8 +358,7 @@ def test_a_thread_that_sleeps_a_millisecond_a_loop_is_never_read_as_unknown() ->
 
 def test_main_thread_quiet_of_real_processes() -> None:
     """A child asleep for a second and a half has had no CPU that long; a spinning one has had it throughout."""
-    if procfs.parse_exec_start(Path("/proc/self/sched").read_text() if Path("/proc/self/sched").exists() else "") is None:
-        pytest.skip("no /proc/PID/sched on this kernel")
+    _skip_without_sched()
     import time
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
@@ -368,8 +372,7 @@ def test_main_thread_quiet_of_real_processes() -> None:
         ready_at, steal_then = time.monotonic(), procfs.cpu_steal_s()
         deadline = ready_at + 30
         while time.monotonic() < deadline:
-            stat = Path(f"/proc/{sleeper.pid}/stat").read_text()
-            if stat[stat.rfind(")") + 2] == "S":
+            if procfs.parse_stat(Path(f"/proc/{sleeper.pid}/stat").read_text()).state == "S":
                 break
             time.sleep(0.005)
         asleep_by = time.monotonic()

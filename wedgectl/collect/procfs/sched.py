@@ -143,8 +143,8 @@ def main_thread_sched(pid: int, proc_root: Path = PROC,
     which is what quiet_s says (a thread that naps 1 ms per loop, as vLLM's EngineCore between
     empty steps, read as unknown one time in nine). A migration zeroes exec_start, which reads as
     unknown. quiet_s is a lower bound on a VM: the CPU's task clock stops while the hypervisor
-    steals it, so the steal since the thread last ran is not counted
-    (the conservative side for a deadlock rule). Either figure is None where it cannot be read (no
+    steals it, so the steal since the thread last ran is not counted (the conservative side for
+    a deadlock rule). Either figure is None where it cannot be read (no
     CONFIG_SCHED_DEBUG or schedstat, a CPU out of reach, the process gone)."""
     base = proc_root / str(pid)
     began = time.monotonic()
