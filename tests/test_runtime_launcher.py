@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from wedgectl.lab.lifecycle import ServerStartError, stop_server
-from wedgectl.collect.control import free_port, stop_tree
+from wedgectl.collect.control import KILL_WAIT_S, free_port, stop_tree
 from wedgectl.lab.runtime.launcher import ServerSpec, running_server, start_server
 
 FAKE_VLLM = textwrap.dedent(
@@ -112,8 +112,11 @@ def test_start_waits_for_health_and_stop_kills_the_tree(
         # [interpreter, fake-python, _serve.py, "serve", model, ...]
         assert psutil.Process(server.pid).cmdline()[3:5] == ["serve", str(tmp_path / "model")]
     finally:
-        seconds = stop_server(server, grace=5)
-    assert seconds < 2  # the fake dies on the first SIGTERM
+        seconds = stop_server(server, grace=30)
+    # The fake dies on the first SIGTERM: its root's own signal ended it, not the SIGKILL after grace. How
+    # soon is the host's business (2.2 s on a loaded CI host).
+    assert server.popen.returncode == -signal.SIGTERM
+    assert seconds < 30
     assert [p for p in pids if psutil.pid_exists(p)] == []
     assert not server.tmp_dir.exists()
     assert "fake vllm starting" in (tmp_path / "log").read_text()
@@ -126,7 +129,7 @@ def test_stop_sigkills_what_ignores_sigterm(fake_python: Path, tmp_path: Path) -
     )
     pids = server.tree_pids()
     seconds = stop_server(server, grace=0.5)
-    assert 0.5 <= seconds < 3
+    assert 0.5 <= seconds < 0.5 + KILL_WAIT_S
     assert server.popen.returncode == -signal.SIGKILL
     assert [p for p in pids if psutil.pid_exists(p)] == []
 
@@ -231,7 +234,7 @@ def test_stop_finds_orphans_of_a_crashed_api_server(fake_python: Path, tmp_path:
     assert wait_gone(pids[1:], timeout=0.5) == list(pids[1:])
     stop_server(server, grace=1)
     assert [p for p in pids if psutil.pid_exists(p)] == []
-    assert stop_server(server) < 1  # a second stop is harmless
+    assert stop_server(server) < 5  # a second stop is harmless: it sends nothing and waits out no grace (10 s)
 
 
 def test_health_wait_ignores_a_proxy_in_the_environment(
