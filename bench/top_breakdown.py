@@ -108,8 +108,6 @@ class Meter:
             self.gc_runs += 1
 
 
-
-
 def _process_cpu() -> tuple[float, float]:
     t = os.times()
     return t.user + t.system, t.children_user + t.children_system

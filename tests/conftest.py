@@ -254,7 +254,6 @@ def work_unit(item: pytest.Item) -> str:
     return INTEGRATION_PREFIX + (SPINNING_TAG if any(n in names for n in SPINNING_FIXTURES) else "") + unit
 
 
-
 # --- two lanes ---------------------------------------------------------------------------------------------
 # Two lanes for a parallel run: the integration units on the first workers, the unit tests on the others.
 #

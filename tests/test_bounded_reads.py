@@ -249,7 +249,6 @@ def test_local_http_ignores_proxy_variables(monkeypatch):
         srv.server_close()
 
 
-
 def test_a_tool_still_running_at_exit_is_killed_not_left_behind(tmp_path):
     """A capture that stops waiting for a tool (the window over while a stack burst still runs) leaves it on a
     daemon thread; at exit wedgectl kills it: a py-spy --native left behind would hold its target stopped. A real

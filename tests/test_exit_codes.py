@@ -55,8 +55,6 @@ def test_5_probes_on_a_process_that_is_gone() -> None:
 # ------------------------------------------------------------------ 34: permission
 
 
-
-
 def _readline(proc: subprocess.Popen, timeout: float) -> str:
     """One line of proc's stdout, waited for at most `timeout` seconds."""
     assert proc.stdout is not None

@@ -238,7 +238,6 @@ def test_sched_clock_offsets_are_small_and_positive() -> None:
     assert offsets and all(-0.01 < v < 3600 for v in offsets.values())
 
 
-
 def test_the_clock_offset_comes_from_the_read_no_wait_for_a_cpu_stretched() -> None:
     # Task clock 50 s behind: a read's exec_start is stamped between the wake (before + the
     # 0.5 ms sleep) and the read's end. The first read waited 0.2 s for a CPU after its wake

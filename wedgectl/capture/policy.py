@@ -142,8 +142,6 @@ def next_step(verdict: Verdict, n_samples: int, elapsed_s: float, options: Sampl
     return Step(False)
 
 
-
-
 def engine_stepping(procs: tuple[ProcessSample, ...]) -> bool:
     """Whether /proc alone shows the engine taking steps: every main thread a step needs (the
     EngineCore's and its Workers') on a CPU, or waiting for one, within STEPPING_QUIET_S

@@ -24,7 +24,6 @@ REST_GRACE_S = 5.0  # a sample's scrape is abandoned this long after its own tim
 ENGINE_REPORT_ROLES = frozenset({Role.API_SERVER, Role.ENGINE_CORE, Role.WORKER})
 
 
-
 def take_sample(dep: Deployment, with_stacks: bool, options: SamplerOptions, burst: int = 1,
                 scraper: Scraper | None = None, tree: TreeCache | None = None) -> Sample:
     """One Sample; collectors run side by side so a slow one does not skew the others' clock.

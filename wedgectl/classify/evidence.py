@@ -246,7 +246,6 @@ STARVED_ADVICE = (
 )
 
 
-
 def deadlock_process_evidence(f: Facts) -> list[Evidence]:
     """What the processes show of a stopped engine, for either deadlock verdict (the metrics' or the engine
     report's): CPU, heartbeat, stacks and where the Workers stopped, probes and futexes."""

@@ -62,7 +62,6 @@ def _metric_series(snapshot_property: str) -> cached_property:
     return cached_property(read)
 
 
-
 def mostly_queued(w: tuple[ProcessSample, float, float] | None) -> bool:
     """A most_grown run-delay reading (process, seconds queued, span) queued CPU_WAIT_SHARE of its span or more."""
     return w is not None and w[1] >= CPU_WAIT_SHARE * w[2]

@@ -220,7 +220,6 @@ def _admission_wedge_verdict(f: Facts) -> Verdict:
     )
 
 
-
 # ------------------------------------------------------- an engine the host starves
 
 
@@ -331,7 +330,6 @@ def _engine_deadlock_verdict(f: Facts) -> Verdict:
         f"{fmt_duration(f.tokens_frozen_s)}" + (", EngineCore parked." if f.engine_parked else "."),
         "live_engine_deadlock", tuple(ev), advice, deadlock_facts(f),
     )
-
 
 
 # ---------------------------------------------------------------------- starved

@@ -202,8 +202,6 @@ def python_libraries(pids: Iterable[int], proc_root: Path = PROC) -> list[str]:
     return libs
 
 
-
-
 class ProbeRun:
     """One bounded run of the probes on a set of pids: start(), then stop() returns the records.
 

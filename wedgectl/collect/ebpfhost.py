@@ -322,7 +322,6 @@ def stderr_summary(text: str, most: int = 3) -> str:
     return " | ".join(lines[-most:])[:400]
 
 
-
 def host_notes(host: Host = Host()) -> tuple[str, ...]:
     """Kernel features the probes could use that this kernel lacks, one line each."""
     tracefs = find_tracefs(host)

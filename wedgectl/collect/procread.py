@@ -119,7 +119,6 @@ def mapped_paths(maps_text: str, under: str = "/") -> set[str]:
     return out
 
 
-
 # ---------------------------------------------------------------------------
 # /dev/shm files a process tree holds
 #

@@ -85,8 +85,6 @@ class Server:
         return _tree_pids(self.pid)
 
 
-
-
 # ------------------------------------------------------------------ starting
 
 
@@ -291,31 +289,7 @@ def running(command: Command, health_timeout: float = 180, grace: float = 10) ->
         stop_server(server, grace)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-# ------------------------------------------------------------------ ports and logs
-
-
-
-
-
-
+# ------------------------------------------------------------------ logs
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
