@@ -118,20 +118,28 @@ def test_watch_beside_hostile_targets_keeps_evaluating_stays_in_budget_and_stops
 # ------------------------------------------------------------------ workers
 
 
-def test_a_stuck_job_is_abandoned_and_its_slot_goes_to_another():
+def test_a_stuck_job_is_abandoned_and_its_slot_goes_to_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from wedgectl.capture import runner
     from wedgectl.watch.daemon import Workers
 
+    # The bound is judged on the Workers' clock, which the test moves: on a loaded host the wall clock can pass a
+    # short bound between two submits (CI: the second submit found the first already abandoned).
+    now = [1000.0]
+    monkeypatch.setattr(runner, "time", SimpleNamespace(monotonic=lambda: now[0]))
     block = threading.Event()
     workers = Workers(size=1, bound_s=0.3, max_abandoned=1)
     try:
         stuck = workers.submit(block.wait)
-        assert stuck is not None and workers.submit(lambda: 1) is None  # the one slot is taken
-        time.sleep(0.5)
+        now[0] += 0.3
+        assert stuck is not None and workers.submit(lambda: 1) is None  # the one slot is taken, up to the bound
+        now[0] += 0.2
         second = workers.submit(lambda: 2)  # past the bound: the stuck one is abandoned
         assert second is not None and second.result(timeout=10) == 2
         assert workers.abandoned == 1 and workers.abandoned_total == 1 and not stuck.done()
         third = workers.submit(block.wait)
-        time.sleep(0.5)
+        now[0] += 0.5
         assert workers.submit(lambda: 4) is None  # the cap: one abandoned at a time, so this one keeps its slot
         threads = [t for t in threading.enumerate() if t.name == "wedgectl-watch"]
         assert threads and all(t.daemon for t in threads)  # none holds the interpreter's exit
