@@ -261,8 +261,10 @@ def work_unit(item: pytest.Item) -> str:
 # mostly by the wall clock (hostile endpoints that trickle, deadlines waited out, real CLI runs). Run after the
 # integration units on the same two workers, as plain `--dist loadgroup` does, the unit tests were the last
 # ~200 s of a run with both cores half idle. Here the first INTEGRATION_WORKERS workers take the integration
-# units (and, once none is left, unit tests); the others take only unit tests, alongside them, and stop when no
-# unit test is left. More workers than that never put a third vLLM server's work on two cores.
+# units (and, once none is left, unit tests); the others take the unit tests, alongside them, and then the light
+# integration units (LIGHT_TAG: real processes, py-spy, eBPF, no vLLM server), and stop when none of either is
+# left. So no third vLLM server's work lands on two cores, and the unit lanes, done after a third of the run,
+# take ~90 s of the integration lanes' work (measured: the last minutes of a run had the cores 40-80 % idle).
 #
 # xdist's own LoadGroupScheduling does the rest: one unit at a time per worker, in the order the suite sorted
 # them (pytest_collection_modifyitems, below). A unit is an integration one when its group name
@@ -276,6 +278,8 @@ INTEGRATION_PREFIX = "integration:"
 # time (LaneScheduling.next_unit_for).
 SPINNING_FIXTURES = ("admission_wedge", "hung_tp2")
 SPINNING_TAG = "spins:"
+# An integration unit none of whose tests uses a vLLM server (SERVER_FIXTURES): the unit lanes take it too.
+LIGHT_TAG = "light:"
 LANES_ENV = "WEDGECTL_INTEGRATION_WORKERS"
 INTEGRATION_WORKERS = 2
 
@@ -306,13 +310,24 @@ def is_spinning_unit(scope: str) -> bool:
     return INTEGRATION_PREFIX + SPINNING_TAG in scope
 
 
+def is_light_unit(scope: str) -> bool:
+    """Whether xdist's scope names an integration unit that starts no vLLM server (LIGHT_TAG)."""
+    return INTEGRATION_PREFIX + LIGHT_TAG in scope
+
+
+def light(unit: str) -> str:
+    """An integration unit's name, tagged light (see LIGHT_TAG)."""
+    return INTEGRATION_PREFIX + LIGHT_TAG + unit.removeprefix(INTEGRATION_PREFIX)
+
+
 def worker_index(node: Any) -> int:
     """xdist's worker number: 3 for gw3."""
     return int(str(node.gateway.id).removeprefix("gw"))
 
 
 class LaneScheduling(LoadGroupScheduling):  # type: ignore[misc]
-    """LoadGroupScheduling whose workers past the first `lanes` never take an integration unit."""
+    """LoadGroupScheduling whose workers past the first `lanes` take no integration unit but a light one, and that
+    only once no unit test is left."""
 
     def __init__(self, config: Any, log: Any = None, lanes: int = INTEGRATION_WORKERS) -> None:
         super().__init__(config, log)
@@ -328,12 +343,13 @@ class LaneScheduling(LoadGroupScheduling):  # type: ignore[misc]
 
     def next_unit_for(self, node: Any) -> str | None:
         """The first queued unit this worker may run, or None: an integration unit only on the integration
-        workers, and a spinning one only while no other is running."""
-        anything = self.takes_integration(node)
+        workers (a spinning one only while no other is running); on the others, a unit test, else a light
+        integration unit."""
+        if not self.takes_integration(node):
+            return next((scope for scope in self.workqueue if not is_integration_unit(scope)),
+                        next((scope for scope in self.workqueue if is_light_unit(scope)), None))
         spinning = self.spinning_now()
-        return next((scope for scope in self.workqueue
-                     if (anything or not is_integration_unit(scope)) and not (spinning and is_spinning_unit(scope))),
-                    None)
+        return next((scope for scope in self.workqueue if not (spinning and is_spinning_unit(scope))), None)
 
     def _assign_work_unit(self, node: Any) -> None:
         scope = self.next_unit_for(node)
@@ -403,9 +419,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not parallel(config):
         return
     cost: dict[str, int] = {}
+    units = {item.nodeid: work_unit(item) for item in items}
+    heavy = {units[item.nodeid] for item in items if weight(item) > 1}  # a unit with any test on a vLLM server
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(work_unit(item)))
+            unit = units[item.nodeid]
+            lite = is_integration_unit(unit) and unit not in heavy
+            item.add_marker(pytest.mark.xdist_group(light(unit) if lite else unit))
         unit = group_of(item)
         cost[unit] = cost.get(unit, 0) + weight(item)
     first = {unit: n for n, unit in enumerate(dict.fromkeys(group_of(i) for i in items))}

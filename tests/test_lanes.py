@@ -16,6 +16,8 @@ LANES_CONFTEST = CONFTEST + "pytest_xdist_make_scheduler = module.pytest_xdist_m
 
 # each test notes the worker it ran on and when; the integration ones last long enough for the units to run beside
 # them. Two units keep a "spinning hang" (fixtures named as the suite's are): the wedge's two tests, the collective's.
+# The integration tests that ask for `vllm_python` (directly or through a fixture) are the ones on a vLLM server;
+# the light ones ask for none.
 RECORD = """
 import json, os, time
 import pytest
@@ -27,11 +29,15 @@ def record(name, seconds):
         out.write(json.dumps([name, os.environ["PYTEST_XDIST_WORKER"], start, time.monotonic()]) + "\\n")
 
 @pytest.fixture(scope="session")
+def vllm_python():
+    return "python"
+
+@pytest.fixture(scope="session")
 def admission_wedge():
     return "wedge"
 
 @pytest.fixture(scope="module")
-def hung_tp2():
+def hung_tp2(vllm_python):
     return "tp2"
 """
 def kept_hang_module(fixture: str, *names: str) -> str:
@@ -44,10 +50,14 @@ def _run(tmp_path: Path, *args: str, workers: str | None) -> tuple[subprocess.Co
     (tmp_path / "conftest.py").write_text(LANES_CONFTEST + textwrap.dedent(RECORD))
     (tmp_path / "test_live.py").write_text("import pytest\nfrom conftest import record\n"
                                            "pytestmark = pytest.mark.integration\n" +
-                                           "".join(f"def test_i{n}():\n    record('i{n}', 1.0)\n" for n in range(4)) +
+                                           "".join(f"def test_i{n}(vllm_python):\n    record('i{n}', 1.0)\n"
+                                                   for n in range(4)) +
                                            # a parametrized one, a unit of its own: xdist's scope is its whole id
                                            "@pytest.mark.parametrize('k', [4, 5])\n"
-                                           "def test_p(k):\n    record(f'i{k}', 1.0)\n")
+                                           "def test_p(k, vllm_python):\n    record(f'i{k}', 1.0)\n")
+    (tmp_path / "test_light.py").write_text("import pytest\nfrom conftest import record\n"
+                                            "pytestmark = pytest.mark.integration\n" +
+                                            "".join(f"def test_l{n}():\n    record('l{n}', 0.2)\n" for n in range(2)))
     (tmp_path / "test_spinning.py").write_text(kept_hang_module("admission_wedge", "w0", "w1"))
     (tmp_path / "test_collective.py").write_text(kept_hang_module("hung_tp2", "c0", "c1"))
     for m in range(4):
@@ -76,12 +86,15 @@ def _span(ran: list, prefix: str) -> tuple[float, float]:
 def test_integration_units_keep_to_their_workers_and_the_units_run_beside_them(tmp_path: Path) -> None:
     r, ran = _run(tmp_path, "-n", "3", workers="1")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "18 passed" in r.stdout
+    assert "20 passed" in r.stdout
     where = _where(ran)
     integration = [f"i{n}" for n in range(6)] + ["w0", "w1", "c0", "c1"]
-    assert {where[name] for name in integration} == {"gw0"}  # one lane for the integration units
+    assert {where[name] for name in integration} == {"gw0"}  # one lane for the integration units on vLLM
     units = {where[f"u{m}_{n}"] for m in range(4) for n in range(2)}
     assert units <= {"gw0", "gw1", "gw2"} and units & {"gw1", "gw2"}, ran  # the unit tests beside them
+    # the light integration units go to the unit lanes once their unit tests are out (gw0 has 10 s of work before it
+    # would reach them)
+    assert {where["l0"], where["l1"]} & {"gw1", "gw2"}, ran
 
 
 def test_two_integration_workers_by_default(tmp_path: Path) -> None:
@@ -89,6 +102,7 @@ def test_two_integration_workers_by_default(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     where = _where(ran)
     assert {where[name] for name in [f"i{n}" for n in range(6)] + ["w0", "w1", "c0", "c1"]} <= {"gw0", "gw1"}, ran
+    assert {where["l0"], where["l1"]} <= {"gw0", "gw1", "gw2", "gw3"}, ran  # the light ones ran, on any worker
     assert len({where[f"i{n}"] for n in range(6)}) == 2, ran  # both integration workers took units
     assert suite.integration_workers({}) == suite.INTEGRATION_WORKERS == 2
     # the two spinning hangs' units never ran at the same time, though two workers took integration units

@@ -208,9 +208,15 @@ class KeptWedge:
 
 
 @pytest.fixture(scope="session")
-def admission_wedge(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeptWedge]:
+def admission_wedge(vllm_python: Path, shared_vllm: SharedServer,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeptWedge]:
     """The session's kept admission wedge (see KeptWedge); stopped after its last user. A test that ends it
-    is marked `ends_admission_wedge`, so that it runs after the others."""
+    is marked `ends_admission_wedge`, so that it runs after the others.
+
+    The worker's stock server (`vllm_server`, which the wedge's last user watches beside it) is started first:
+    started beside the wedge's spinning engine, it took minutes (158 s of set-up, measured), and the engine
+    spun all the while."""
+    shared_vllm.get()
     wedge = KeptWedge(vllm_python, tmp_path_factory.mktemp("admission-wedge"))
     _KEPT_WEDGE.append(wedge)
     try:

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import httpx
 import psutil
@@ -46,12 +47,12 @@ def _end_session(pid: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, int]]:
+def loaded(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, int]]:
     """The `healthy-loaded` repro, kept: 8 streams saturating the host, run by a detached holder (diagnose is its
     own process, as on call). Its JSON and exit code; the module's tests take it in turn, the CPU limit last."""
     out = tmp_path_factory.mktemp("loaded")
     r = subprocess.run([sys.executable, "-m", "wedgectl", "repro", "healthy-loaded", "--keep", "--json",
-                        "--out", str(out)], capture_output=True, text=True, timeout=400)
+                        "--python", str(vllm_python), "--out", str(out)], capture_output=True, text=True, timeout=400)
     assert r.stdout.strip(), r.stderr[-3000:]
     control = json.loads(r.stdout)
     try:
