@@ -280,6 +280,11 @@ SPINNING_FIXTURES = ("admission_wedge", "hung_tp2")
 SPINNING_TAG = "spins:"
 # An integration unit none of whose tests uses a vLLM server (SERVER_FIXTURES): the unit lanes take it too.
 LIGHT_TAG = "light:"
+# An integration unit with a test on the worker's stock server (STOCK_FIXTURE, tests/integration/conftest.py):
+# only the first worker takes these, so one stock server is started for the run, not one per integration worker
+# (a start is ~25 CPU s; the second one had been started beside the spinning wedge, 158 s of set-up, measured).
+STOCK_TAG = "stock:"
+STOCK_FIXTURE = "shared_vllm"
 LANES_ENV = "WEDGECTL_INTEGRATION_WORKERS"
 INTEGRATION_WORKERS = 2
 
@@ -305,19 +310,29 @@ def is_integration_unit(scope: str) -> bool:
     return scope.startswith(INTEGRATION_PREFIX) or "@" + INTEGRATION_PREFIX in scope
 
 
+def has_tag(scope: str, tag: str) -> bool:
+    """Whether xdist's scope names an integration unit with `tag` among the tags after INTEGRATION_PREFIX."""
+    return re.search(re.escape(INTEGRATION_PREFIX) + r"(?:[a-z]+:)*" + re.escape(tag), scope) is not None
+
+
 def is_spinning_unit(scope: str) -> bool:
     """Whether xdist's scope names a unit that keeps a spinning hang (SPINNING_FIXTURES)."""
-    return INTEGRATION_PREFIX + SPINNING_TAG in scope
+    return has_tag(scope, SPINNING_TAG)
 
 
 def is_light_unit(scope: str) -> bool:
     """Whether xdist's scope names an integration unit that starts no vLLM server (LIGHT_TAG)."""
-    return INTEGRATION_PREFIX + LIGHT_TAG in scope
+    return has_tag(scope, LIGHT_TAG)
 
 
-def light(unit: str) -> str:
-    """An integration unit's name, tagged light (see LIGHT_TAG)."""
-    return INTEGRATION_PREFIX + LIGHT_TAG + unit.removeprefix(INTEGRATION_PREFIX)
+def is_stock_unit(scope: str) -> bool:
+    """Whether xdist's scope names an integration unit that uses the worker's stock server (STOCK_TAG)."""
+    return has_tag(scope, STOCK_TAG)
+
+
+def tagged(unit: str, tag: str) -> str:
+    """An integration unit's name with `tag` added after INTEGRATION_PREFIX."""
+    return INTEGRATION_PREFIX + tag + unit.removeprefix(INTEGRATION_PREFIX)
 
 
 def worker_index(node: Any) -> int:
@@ -343,13 +358,16 @@ class LaneScheduling(LoadGroupScheduling):  # type: ignore[misc]
 
     def next_unit_for(self, node: Any) -> str | None:
         """The first queued unit this worker may run, or None: an integration unit only on the integration
-        workers (a spinning one only while no other is running); on the others, a unit test, else a light
-        integration unit."""
+        workers (a spinning one only while no other is running; one on the stock server only on the first, which
+        takes those before any other); on the others, a unit test, else a light integration unit."""
         if not self.takes_integration(node):
             return next((scope for scope in self.workqueue if not is_integration_unit(scope)),
                         next((scope for scope in self.workqueue if is_light_unit(scope)), None))
         spinning = self.spinning_now()
-        return next((scope for scope in self.workqueue if not (spinning and is_spinning_unit(scope))), None)
+        allowed = [scope for scope in self.workqueue if not (spinning and is_spinning_unit(scope))]
+        if worker_index(node) != 0:
+            return next((scope for scope in allowed if not is_stock_unit(scope)), None)
+        return next((scope for scope in allowed if is_stock_unit(scope)), next(iter(allowed), None))
 
     def _assign_work_unit(self, node: Any) -> None:
         scope = self.next_unit_for(node)
@@ -421,11 +439,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     cost: dict[str, int] = {}
     units = {item.nodeid: work_unit(item) for item in items}
     heavy = {units[item.nodeid] for item in items if weight(item) > 1}  # a unit with any test on a vLLM server
+    stock = {units[item.nodeid] for item in items if STOCK_FIXTURE in getattr(item, "fixturenames", ())}
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             unit = units[item.nodeid]
-            lite = is_integration_unit(unit) and unit not in heavy
-            item.add_marker(pytest.mark.xdist_group(light(unit) if lite else unit))
+            if is_integration_unit(unit) and unit not in heavy:
+                unit = tagged(unit, LIGHT_TAG)
+            elif unit in stock:
+                unit = tagged(unit, STOCK_TAG)
+            item.add_marker(pytest.mark.xdist_group(unit))
         unit = group_of(item)
         cost[unit] = cost.get(unit, 0) + weight(item)
     first = {unit: n for n, unit in enumerate(dict.fromkeys(group_of(i) for i in items))}

@@ -33,7 +33,11 @@ def vllm_python():
     return "python"
 
 @pytest.fixture(scope="session")
-def admission_wedge():
+def shared_vllm(vllm_python):
+    return "stock"
+
+@pytest.fixture(scope="session")
+def admission_wedge(shared_vllm):
     return "wedge"
 
 @pytest.fixture(scope="module")
@@ -55,6 +59,10 @@ def _run(tmp_path: Path, *args: str, workers: str | None) -> tuple[subprocess.Co
                                            # a parametrized one, a unit of its own: xdist's scope is its whole id
                                            "@pytest.mark.parametrize('k', [4, 5])\n"
                                            "def test_p(k, vllm_python):\n    record(f'i{k}', 1.0)\n")
+    (tmp_path / "test_stock.py").write_text("import pytest\nfrom conftest import record\n"
+                                            "pytestmark = pytest.mark.integration\n" +
+                                            "".join(f"def test_s{n}(shared_vllm):\n    record('s{n}', 0.5)\n"
+                                                    for n in range(3)))
     (tmp_path / "test_light.py").write_text("import pytest\nfrom conftest import record\n"
                                             "pytestmark = pytest.mark.integration\n" +
                                             "".join(f"def test_l{n}():\n    record('l{n}', 0.2)\n" for n in range(2)))
@@ -86,9 +94,9 @@ def _span(ran: list, prefix: str) -> tuple[float, float]:
 def test_integration_units_keep_to_their_workers_and_the_units_run_beside_them(tmp_path: Path) -> None:
     r, ran = _run(tmp_path, "-n", "3", workers="1")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "20 passed" in r.stdout
+    assert "23 passed" in r.stdout
     where = _where(ran)
-    integration = [f"i{n}" for n in range(6)] + ["w0", "w1", "c0", "c1"]
+    integration = [f"i{n}" for n in range(6)] + ["w0", "w1", "c0", "c1", "s0", "s1", "s2"]
     assert {where[name] for name in integration} == {"gw0"}  # one lane for the integration units on vLLM
     units = {where[f"u{m}_{n}"] for m in range(4) for n in range(2)}
     assert units <= {"gw0", "gw1", "gw2"} and units & {"gw1", "gw2"}, ran  # the unit tests beside them
@@ -101,9 +109,11 @@ def test_two_integration_workers_by_default(tmp_path: Path) -> None:
     r, ran = _run(tmp_path, "-n", "4", workers=None)
     assert r.returncode == 0, r.stdout + r.stderr
     where = _where(ran)
-    assert {where[name] for name in [f"i{n}" for n in range(6)] + ["w0", "w1", "c0", "c1"]} <= {"gw0", "gw1"}, ran
+    integration = [f"i{n}" for n in range(6)] + ["c0", "c1"]
+    stock = ["s0", "s1", "s2", "w0", "w1"]  # the wedge's tests are on the stock server too, as the suite's are
+    assert {where[name] for name in integration + stock} == {"gw0", "gw1"}, ran  # both integration workers, only
+    assert {where[name] for name in stock} == {"gw0"}, ran  # one stock server for the run: the first worker's
     assert {where["l0"], where["l1"]} <= {"gw0", "gw1", "gw2", "gw3"}, ran  # the light ones ran, on any worker
-    assert len({where[f"i{n}"] for n in range(6)}) == 2, ran  # both integration workers took units
     assert suite.integration_workers({}) == suite.INTEGRATION_WORKERS == 2
     # the two spinning hangs' units never ran at the same time, though two workers took integration units
     wedge, collective = _span(ran, "w"), _span(ran, "c")

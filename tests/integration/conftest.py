@@ -4,7 +4,9 @@
 environment, e.g. a GPU host's) or the managed CPU runtime, installed on first
 use (~80 s, ~3.4 GB under the wedgectl cache; WEDGECTL_NO_INSTALL=1 skips the
 tests instead). `vllm_server` is one tiny-model server shared by the session:
-started on first use, and again if a test left it dead. Tests must not stop it
+started on first use, and again if a test left it dead. A parallel run puts
+every test on it on one worker (tests/conftest.py, STOCK_TAG), so the run
+starts it once. Tests must not stop it
 or leave it wedged; a test that needs its own server (custom flags, a plugin, a
 hang, a kill) starts one with `running_server`. A server start costs 20-40 s on
 2 cores (minutes under load): use the shared one whenever a test only needs
