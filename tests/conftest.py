@@ -226,8 +226,8 @@ class ServerLeakCheck:
 # --- parallel runs ---------------------------------------------------------------------------------------
 # The README's test command runs `pytest -n 4 --dist loadgroup`: four workers, fed one unit of work at a time.
 # A unit is a test module (its module-scoped fixtures, a server say, then start once), or all the tests that
-# share one session fixture that must exist once per run (ONE_PER_RUN), or an integration test that shares no
-# module-scoped fixture (a unit of its own: see work_unit). Two lanes (LaneScheduling): the first two workers
+# share one session fixture that must exist once per run (ONE_PER_RUN), or a test that shares no module-scoped
+# fixture (a unit of its own: see work_unit). Two lanes (LaneScheduling): the first two workers
 # take the integration units, the largest first (the longest, started last, would leave one worker idle at the
 # end); the other two take the unit tests beside them, which wait on the clock more than they use a CPU.
 # Serial runs (no -n) keep pytest's own order.
@@ -236,16 +236,17 @@ ONE_PER_RUN = ("admission_wedge",)  # tests/integration/conftest.py: the kept ad
 
 
 def work_unit(item: pytest.Item) -> str:
-    """The xdist group an item is run in: a fixture of ONE_PER_RUN, else its module; an integration test that
-    shares no module-scoped fixture with its neighbours is a unit of its own, so that a module of many
-    server-starting tests (test_patched's) is spread over the workers instead of queued on one. An integration
-    unit's name starts with INTEGRATION_PREFIX: the lane it runs in (LaneScheduling)."""
+    """The xdist group an item is run in: a fixture of ONE_PER_RUN, else its module; a test that shares no
+    module-scoped fixture with its neighbours is a unit of its own, so that a module of many server-starting
+    tests (test_patched's), or of slow unit tests (test_hostile_input's 100 s), is spread over the workers
+    instead of queued on one. An integration unit's name starts with INTEGRATION_PREFIX: the lane it runs in
+    (LaneScheduling)."""
     names = getattr(item, "fixturenames", ())
     integration = item.get_closest_marker("integration") is not None
     shared = [name for name in ONE_PER_RUN if name in names]
     if shared:
         unit = shared[0]
-    elif integration and not shares_module_fixture(item):
+    elif not shares_module_fixture(item):
         unit = item.nodeid
     else:
         unit = item.nodeid.split("::", 1)[0]
