@@ -3,6 +3,7 @@ of a strict run (WEDGECTL_STRICT_SKIPS=1, as .ci/run and the README's test comma
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import signal
@@ -235,6 +236,18 @@ class ServerLeakCheck:
 ONE_PER_RUN = ("admission_wedge",)  # tests/integration/conftest.py: the kept admission wedge
 
 
+UNIT_NAME_MAX = 200
+
+
+def bounded(nodeid: str) -> str:
+    """A test's node id as a unit's name, at most about UNIT_NAME_MAX characters: xdist appends the group to the
+    node id that pytest puts in the test's environment (PYTEST_CURRENT_TEST), and a hostile-input test whose
+    parameter is 100 KB long would pass exec's limit on one string (128 KiB: "Argument list too long")."""
+    if len(nodeid) <= UNIT_NAME_MAX:
+        return nodeid
+    return nodeid[: UNIT_NAME_MAX // 2] + "..." + hashlib.sha256(nodeid.encode()).hexdigest()[:16]
+
+
 def work_unit(item: pytest.Item) -> str:
     """The xdist group an item is run in: a fixture of ONE_PER_RUN, else its module; a test that shares no
     module-scoped fixture with its neighbours is a unit of its own, so that a module of many server-starting
@@ -247,7 +260,7 @@ def work_unit(item: pytest.Item) -> str:
     if shared:
         unit = shared[0]
     elif not shares_module_fixture(item):
-        unit = item.nodeid
+        unit = bounded(item.nodeid)
     else:
         unit = item.nodeid.split("::", 1)[0]
     if not integration:

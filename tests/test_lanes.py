@@ -124,3 +124,11 @@ def test_a_bad_number_of_integration_workers_is_a_usage_error(tmp_path: Path) ->
     r, ran = _run(tmp_path, "-n", "2", workers="none")
     assert r.returncode == 4 and ran == [], r.stdout + r.stderr
     assert "WEDGECTL_INTEGRATION_WORKERS must be a whole number of workers, not 'none'" in r.stderr
+
+
+def test_a_long_node_id_gives_a_short_unit_name_of_its_own() -> None:
+    # a hostile-input test's 100 KB parameter: xdist puts the group in PYTEST_CURRENT_TEST beside the node id, and
+    # two 100 KB copies in one environment string pass exec's limit (128 KiB) for every process the test starts
+    a, b = "tests/test_x.py::test_y[" + "[" * 100_000 + "]", "tests/test_x.py::test_y[" + "[" * 99_999 + "]"
+    assert len(suite.bounded(a)) < 2 * suite.UNIT_NAME_MAX and suite.bounded(a) != suite.bounded(b)
+    assert suite.bounded("tests/test_x.py::test_y[1]") == "tests/test_x.py::test_y[1]"
