@@ -452,7 +452,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     cost: dict[str, int] = {}
     units = {item.nodeid: work_unit(item) for item in items}
-    heavy = {units[item.nodeid] for item in items if weight(item) > 1}  # a unit with any test on a vLLM server
+    heavy = {units[item.nodeid] for item in items if on_server(item)}  # a unit with any test on a vLLM server
     stock = {units[item.nodeid] for item in items if STOCK_FIXTURE in getattr(item, "fixturenames", ())}
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
@@ -482,9 +482,14 @@ SERVER_FIXTURES = ("vllm_python", "tiny_model", "vllm_server", "admission_wedge"
 SERVER_TEST_COST = 30
 
 
-def weight(item: pytest.Item) -> int:
+def on_server(item: pytest.Item) -> bool:
+    """Whether the test uses a vLLM server (one of SERVER_FIXTURES, itself or through another fixture)."""
     names = getattr(item, "fixturenames", ())
-    return SERVER_TEST_COST if any(n in names for n in SERVER_FIXTURES) else 1
+    return any(n in names for n in SERVER_FIXTURES)
+
+
+def weight(item: pytest.Item) -> int:
+    return SERVER_TEST_COST if on_server(item) else 1
 
 
 def group_of(item: pytest.Item) -> str:
